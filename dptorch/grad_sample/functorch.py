@@ -1,0 +1,67 @@
+"""Per-sample gradients of an arbitrary layer through ``torch.func`` (vmap over grad).
+
+Used for layers without a registered grad sampler, or for every layer with ``force_functorch``.
+The layer's forward is recomputed once per call, vectorised over the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from .unit_params import unit_parameters
+
+
+def ft_compute_per_sample_gradient(
+    layer: nn.Module,
+    activations: Sequence,
+    backprops: torch.Tensor,
+    kwargs: dict | None = None,
+    batch_first: bool = True,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the layer's own trainable parameters.
+
+    ``activations`` are the layer's positional inputs and ``backprops`` the output gradient, both
+    batch-first ``(B, ...)``; tensors whose leading size is not ``B`` are treated as shared by all
+    samples. ``batch_first`` says where the batch dimension must be re-inserted when calling the
+    layer on one sample. Returns ``{param: (B, *param.shape)}``.
+    """
+    kwargs = kwargs or {}
+    named = [(n, p) for n, p in unit_parameters(layer) if p.requires_grad]
+    if not named:
+        return {}
+    names = [n for n, _ in named]
+    values = tuple(p.detach() for _, p in named)
+    batch_size = backprops.shape[0]
+    bdim = 0 if batch_first else 1
+
+    def is_batched(a):
+        return isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size
+
+    batched_pos = [i for i, a in enumerate(activations) if is_batched(a)]
+    batched_kw = [k for k, v in kwargs.items() if is_batched(v)]
+    if batch_size == 0:
+        return {p: p.new_zeros((0, *p.shape)) for _, p in named}
+
+    def sample_loss(param_values, pos_values, kw_values, g):
+        args = list(activations)
+        for i, v in zip(batched_pos, pos_values):
+            args[i] = v.unsqueeze(bdim)
+        kw = dict(kwargs)
+        for k, v in zip(batched_kw, kw_values):
+            kw[k] = v.unsqueeze(bdim)
+        out = functional_call(layer, dict(zip(names, param_values)), tuple(args), kw)
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        return (out * g.unsqueeze(bdim)).sum()
+
+    per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0, 0))(
+        values,
+        tuple(activations[i] for i in batched_pos),
+        tuple(kwargs[k] for k in batched_kw),
+        backprops,
+    )
+    return {p: gs for (_, p), gs in zip(named, per_sample)}

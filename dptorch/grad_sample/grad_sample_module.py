@@ -1,0 +1,369 @@
+"""Hooks-based per-sample gradients (``grad_sample_mode="hooks"`` and ``"functorch"``).
+
+Mechanism: a forward hook on every module that owns trainable parameters keeps that call's
+inputs and registers a tensor hook on its output. When autograd delivers the gradient of the
+output (the *backprops*), the layer's grad sampler (or ``torch.func`` as a fallback) turns
+inputs and backprops into per-sample gradients, which are summed over every call of the layer
+in the same backward pass (recurrent use, tied weights). At the end of the backward pass a
+callback queued on the autograd engine publishes them as ``p.grad_sample``.
+
+Multi-pass mode (``multi_pass=True``): every backward pass between two optimizer steps adds one
+slice, so ``p.grad_sample`` has shape ``(n_passes, B, *p.shape)``; batches shorter than the
+longest pass are zero-padded (a zero per-sample gradient contributes nothing after clipping).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import torch
+from torch import nn
+
+from .functorch import ft_compute_per_sample_gradient
+from .gsm_base import AbstractGradSampleModule
+from .registry import GRAD_SAMPLERS
+from .unit_params import trainable_units, unit_parameters
+
+logger = logging.getLogger(__name__)
+
+
+class GradSampleModule(AbstractGradSampleModule):
+    """Hooks-based implementation of :class:`AbstractGradSampleModule`.
+
+    Args:
+        m: the module to wrap.
+        batch_first: whether the batch is dimension 0 of every layer's input/output (else 1).
+        loss_reduction: ``"mean"`` or ``"sum"``, the reduction of the loss over the batch; with
+            ``"mean"`` the per-sample gradients are rescaled so that their mean equals ``p.grad``.
+        strict: raise ``NotImplementedError`` if the model cannot get exact per-sample gradients
+            (BatchNorm, an unsupported layer). With ``False`` the problems are only logged.
+        force_functorch: use ``torch.func`` for every layer instead of the registered samplers.
+        multi_pass: keep one slice per backward pass: ``p.grad_sample`` is ``(n_passes, B, ...)``.
+    """
+
+    GRAD_SAMPLERS = GRAD_SAMPLERS
+
+    def __init__(
+        self,
+        m: nn.Module,
+        *,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        strict: bool = True,
+        force_functorch: bool = False,
+        multi_pass: bool = False,
+    ):
+        super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction)
+        errors = self.validate(module=m, strict=strict)
+        for e in errors:
+            logger.warning("GradSampleModule: %s", e)
+        self.multi_pass = multi_pass
+        self.hooks_enabled = False
+        self.forward_hooks_enabled = True
+        self.backward_hooks_enabled = True
+        self.autograd_grad_sample_hooks: list = []
+        self._in_functorch = False
+        self._pending: dict[int, nn.Parameter] = {}
+        self._callback_queued = False
+        self.add_hooks(
+            loss_reduction=loss_reduction, batch_first=batch_first, force_functorch=force_functorch
+        )
+
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    # ------------------------------------------------------------------ hooks management
+    def add_hooks(
+        self, *, loss_reduction: str = "mean", batch_first: bool = True, force_functorch: bool = False
+    ) -> None:
+        """Installs the forward hooks that capture activations and backprops of every layer that
+        owns trainable parameters."""
+        if self.autograd_grad_sample_hooks:
+            raise ValueError("Hooks are already attached; call remove_hooks() first.")
+        self.loss_reduction = loss_reduction
+        self.batch_first = batch_first
+        self.force_functorch = force_functorch
+        for _, module in trainable_units(self._module):
+            handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
+            self.autograd_grad_sample_hooks.append(handle)
+        self.enable_hooks()
+
+    def remove_hooks(self) -> None:
+        """Removes all hooks added by :meth:`add_hooks`."""
+        self.disable_hooks()
+        for h in self.autograd_grad_sample_hooks:
+            h.remove()
+        self.autograd_grad_sample_hooks = []
+
+    def disable_hooks(self) -> None:
+        """Turns every hook of this module off (graphs built earlier keep theirs, now inert)."""
+        self.hooks_enabled = False
+
+    def enable_hooks(self) -> None:
+        """The opposite of :meth:`disable_hooks`."""
+        self.hooks_enabled = True
+
+    def disable_forward_hooks(self) -> None:
+        """Forward passes stop recording activations (e.g. a generator update through D)."""
+        self.forward_hooks_enabled = False
+
+    def enable_forward_hooks(self) -> None:
+        self.forward_hooks_enabled = True
+
+    def disable_backward_hooks(self) -> None:
+        """Backward passes stop producing per-sample gradients (e.g. an auxiliary ``autograd.grad``)."""
+        self.backward_hooks_enabled = False
+
+    def enable_backward_hooks(self) -> None:
+        self.backward_hooks_enabled = True
+
+    def _close(self) -> None:
+        super()._close()
+        self.remove_hooks()
+
+    # ------------------------------------------------------------------ capture
+    def _forward_hook(self, module, args, kwargs, output):
+        self.capture_activations_hook(module, args, output, forward_kwargs=kwargs)
+
+    def capture_activations_hook(
+        self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None
+    ) -> None:
+        """Forward hook: remembers this call's inputs and hooks the gradient of its output."""
+        if (
+            not self.hooks_enabled
+            or not self.forward_hooks_enabled
+            or self._in_functorch
+            or not module.training
+            or not torch.is_grad_enabled()
+        ):
+            return
+        out = _first_tensor(_forward_output)
+        if out is None or not out.requires_grad:
+            return
+        activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in forward_input]
+        kwargs = {
+            k: (v.detach() if isinstance(v, torch.Tensor) else v)
+            for k, v in (forward_kwargs or {}).items()
+        }
+        out.register_hook(partial(self._on_backprops, module, activations, kwargs))
+
+    def _on_backprops(self, module, activations, kwargs, grad):
+        if not self.hooks_enabled or not self.backward_hooks_enabled:
+            return None
+        self.capture_backprops_hook(
+            module, activations, grad, self.loss_reduction, self.batch_first, forward_kwargs=kwargs
+        )
+        return None
+
+    def capture_backprops_hook(
+        self,
+        module: nn.Module,
+        _forward_input,
+        forward_output,
+        loss_reduction: str,
+        batch_first: bool,
+        forward_kwargs: dict | None = None,
+    ) -> None:
+        """Computes the per-sample gradients of one call of ``module`` from its inputs
+        (``_forward_input``) and the gradient of its output (``forward_output``), and adds them to
+        ``p._current_grad_sample``; they become ``p.grad_sample`` at the end of the backward pass.
+        """
+        backprops = _first_tensor(forward_output)
+        activations, backprops = self.rearrange_grad_samples(
+            module=module,
+            backprops=backprops,
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+            activations=_forward_input,
+        )
+        grad_samples = self._compute_grad_samples(module, activations, backprops, forward_kwargs)
+        max_batch_len = backprops.shape[0]
+        for p, gs in grad_samples.items():
+            self._accumulate_current(p, gs, max_batch_len)
+        self._queue_end_of_backward()
+
+    def _compute_grad_samples(self, module, activations, backprops, kwargs):
+        sampler = None if self.force_functorch else self.GRAD_SAMPLERS.get(type(module))
+        if sampler is not None:
+            return sampler(module, activations, backprops)
+        self._in_functorch = True
+        try:
+            return ft_compute_per_sample_gradient(
+                module, activations, backprops, kwargs, batch_first=self.batch_first
+            )
+        finally:
+            self._in_functorch = False
+
+    def rearrange_grad_samples(
+        self,
+        *,
+        module: nn.Module,
+        backprops: torch.Tensor,
+        loss_reduction: str,
+        batch_first: bool,
+        activations=None,
+    ):
+        """Moves the batch dimension first and undoes the ``1/B`` of a mean loss.
+
+        Returns ``(activations, backprops)``; ``B`` is ``module.max_batch_len`` when the layer
+        sets it (recurrent layers fed shrinking batches), else the batch size of ``backprops``.
+        """
+        if not batch_first:
+            backprops = backprops.movedim(1, 0)
+            activations = [
+                a.movedim(1, 0) if isinstance(a, torch.Tensor) and a.dim() > 1 else a
+                for a in activations
+            ]
+        if loss_reduction == "mean":
+            n = getattr(module, "max_batch_len", None) or backprops.shape[0]
+            backprops = backprops * n
+        return activations, backprops
+
+    def _accumulate_current(self, p: nn.Parameter, gs: torch.Tensor, max_batch_len: int) -> None:
+        cur = getattr(p, "_current_grad_sample", None)
+        if cur is None:
+            cur = gs if gs.shape[0] >= max_batch_len else _pad_batch(gs, max_batch_len)
+        else:
+            n = max(cur.shape[0], gs.shape[0])
+            if gs.shape[0] < n:
+                gs = _pad_batch(gs, n)
+            if cur.shape[0] < n:
+                cur = _pad_batch(cur, n)
+            cur = cur + gs  # out of place: ``cur`` may alias a gradient owned by autograd
+        p._current_grad_sample = cur
+        self._pending[id(p)] = p
+
+    # ------------------------------------------------------------------ end of a backward pass
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        pending, self._pending = list(self._pending.values()), {}
+        if self.multi_pass:
+            self._publish_pass(pending)
+            return
+        for p in pending:
+            gs = p._current_grad_sample
+            del p._current_grad_sample
+            prev = getattr(p, "grad_sample", None)
+            if prev is None:
+                p.grad_sample = gs
+            elif not self.grad_accumulation_allowed:
+                raise ValueError(
+                    "A second backward pass ran before optimizer.step()/zero_grad(), and gradient "
+                    "accumulation is forbidden (Poisson sampling: two small Poisson batches are "
+                    "not one large one). Call optimizer.step() and optimizer.zero_grad() after "
+                    "every backward, or use dptorch.utils.batch_memory_manager.BatchMemoryManager "
+                    "for large logical batches."
+                )
+            elif isinstance(prev, list):
+                prev.append(gs)
+            else:
+                p.grad_sample = [prev, gs]
+
+    def _publish_pass(self, pending: list[nn.Parameter]) -> None:
+        params = [p for p in self.trainable_parameters()]
+        pass_idx = max((len(getattr(p, "_grad_sample_passes", ())) for p in params), default=0)
+        touched = {id(p) for p in pending}
+        for p in pending:
+            passes = getattr(p, "_grad_sample_passes", [])
+            passes.extend([None] * (pass_idx - len(passes)))
+            passes.append(p._current_grad_sample)
+            del p._current_grad_sample
+            p._grad_sample_passes = passes
+        for p in params:
+            passes = getattr(p, "_grad_sample_passes", None)
+            if passes is None:
+                continue
+            if id(p) not in touched:
+                passes.extend([None] * (pass_idx + 1 - len(passes)))
+            p.grad_sample = _stack_passes(p, passes)
+
+    # ------------------------------------------------------------------ validation
+    @classmethod
+    def is_supported(cls, module: nn.Module) -> bool:
+        """Whether ``module`` (not its submodules) has a registered grad sampler."""
+        return type(module) in cls.GRAD_SAMPLERS
+
+    @classmethod
+    def validate(cls, module: nn.Module, *, strict: bool = False) -> list[NotImplementedError]:
+        """Checks that exact per-sample gradients can be computed for ``module``.
+
+        Returns the list of problems; with ``strict=True`` raises one ``NotImplementedError``
+        listing all of them.
+        """
+        errors = per_sample_gradient_errors(module, cls.GRAD_SAMPLERS)
+        if strict and errors:
+            raise NotImplementedError(
+                "Model is not supported for exact per-sample gradients:\n"
+                + "\n".join(f"  - {e}" for e in errors)
+            )
+        return errors
+
+
+def per_sample_gradient_errors(module: nn.Module, samplers: dict) -> list[NotImplementedError]:
+    """Problems that make per-sample gradients of ``module`` wrong or impossible."""
+    errors: list[NotImplementedError] = []
+    for name, m in module.named_modules():
+        path = name or "<root>"
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            errors.append(
+                NotImplementedError(
+                    f"{path} ({type(m).__name__}) mixes samples of a batch, so per-sample "
+                    "gradients are undefined. Replace it, e.g. with GroupNorm: "
+                    "model = dptorch.validators.ModuleValidator.fix(model)."
+                )
+            )
+    for name, m in trainable_units(module):
+        path = name or "<root>"
+        if type(m) in samplers:
+            continue
+        if isinstance(m, (nn.RNNBase, nn.MultiheadAttention)):
+            errors.append(
+                NotImplementedError(
+                    f"{path} ({type(m).__name__}) has no per-sample gradient. Use dptorch's DP "
+                    "layer (DPLSTM/DPGRU/DPRNN/DPMultiheadAttention): "
+                    "model = dptorch.validators.ModuleValidator.fix(model)."
+                )
+            )
+        elif any(True for _ in m.buffers(recurse=False)) and not isinstance(
+            m, nn.modules.batchnorm._BatchNorm
+        ):
+            errors.append(
+                NotImplementedError(
+                    f"{path} ({type(m).__name__}) is trainable, has buffers and no registered "
+                    "grad sampler: its buffers may depend on the batch. Register one with "
+                    "dptorch.grad_sample.register_grad_sampler, or freeze it."
+                )
+            )
+    return errors
+
+
+def _first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def _pad_batch(t: torch.Tensor, n: int) -> torch.Tensor:
+    out = t.new_zeros((n, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+def _stack_passes(p: nn.Parameter, passes: list) -> torch.Tensor:
+    b = max((g.shape[0] for g in passes if g is not None), default=0)
+    ref = next(g for g in passes if g is not None)
+    out = ref.new_zeros((len(passes), b, *p.shape))
+    for i, g in enumerate(passes):
+        if g is not None:
+            out[i, : g.shape[0]] = g
+    return out

@@ -1,0 +1,88 @@
+"""Common base of every GradSampleModule flavour: wrapping, attribute pass-through, cleanup."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_GS_ATTRS = ("grad_sample", "_current_grad_sample", "_grad_sample_passes")
+
+VALID_LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def _check_loss_reduction(loss_reduction: str) -> None:
+    if loss_reduction not in VALID_LOSS_REDUCTIONS:
+        raise ValueError(
+            f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}. Use the reduction "
+            "of your loss function (e.g. nn.CrossEntropyLoss(reduction='mean'))."
+        )
+
+
+class AbstractGradSampleModule(nn.Module, ABC):
+    """Wraps ``m`` so that every trainable parameter gets ``p.grad_sample`` after backward.
+
+    Attribute access falls through to the wrapped module, so ``gsm.fc1`` is ``m.fc1``.
+    """
+
+    def __init__(self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean"):
+        super().__init__()
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"GradSampleModule expects an nn.Module, got {type(m).__name__}")
+        _check_loss_reduction(loss_reduction)
+        self._module = m
+        self.batch_first = batch_first
+        self.loss_reduction = loss_reduction
+        self.grad_accumulation_allowed = True
+
+    @abstractmethod
+    def forward(self, *args, **kwargs): ...
+
+    def __getattr__(self, item):
+        try:
+            return super().__getattr__(item)
+        except AttributeError as e:
+            submodules = dict(self.named_modules())
+            if item and item in submodules:
+                return submodules[item]
+            module = self._modules.get("_module")
+            if module is not None:
+                return getattr(module, item)
+            raise e
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self._module.parameters() if p.requires_grad]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears ``p.grad`` and every per-sample gradient attribute."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.del_grad_sample()
+
+    def del_grad_sample(self) -> None:
+        for p in self.parameters():
+            for attr in _GS_ATTRS:
+                if hasattr(p, attr):
+                    delattr(p, attr)
+
+    def to_standard_module(self) -> nn.Module:
+        """Returns the wrapped module, with per-sample-gradient state removed."""
+        self._close()
+        return self._module
+
+    def _close(self) -> None:
+        self.del_grad_sample()
+
+    def forbid_grad_accumulation(self) -> None:
+        """After this, a second backward pass without ``zero_grad`` raises ``ValueError``."""
+        self.grad_accumulation_allowed = False
+
+    def allow_grad_accumulation(self) -> None:
+        """Undoes :meth:`forbid_grad_accumulation`."""
+        self.grad_accumulation_allowed = True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._module!r})"
