@@ -23,7 +23,7 @@ from torch import nn
 from .functorch import ft_compute_per_sample_gradient
 from .gsm_base import AbstractGradSampleModule
 from .registry import GRAD_SAMPLERS
-from .unit_params import trainable_units, unit_parameters
+from .unit_params import trainable_units
 
 logger = logging.getLogger(__name__)
 

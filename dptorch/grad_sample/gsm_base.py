@@ -12,6 +12,13 @@ logger = logging.getLogger(__name__)
 
 _GS_ATTRS = ("grad_sample", "_current_grad_sample", "_grad_sample_passes")
 
+
+def clear_grad_sample(p: torch.Tensor) -> None:
+    """Removes every per-sample-gradient attribute dptorch may have set on ``p``."""
+    for attr in _GS_ATTRS:
+        if hasattr(p, attr):
+            delattr(p, attr)
+
 VALID_LOSS_REDUCTIONS = ("mean", "sum")
 
 
@@ -64,9 +71,7 @@ class AbstractGradSampleModule(nn.Module, ABC):
 
     def del_grad_sample(self) -> None:
         for p in self.parameters():
-            for attr in _GS_ATTRS:
-                if hasattr(p, attr):
-                    delattr(p, attr)
+            clear_grad_sample(p)
 
     def to_standard_module(self) -> nn.Module:
         """Returns the wrapped module, with per-sample-gradient state removed."""

@@ -1,0 +1,416 @@
+"""DPOptimizer: the clipping/noising core of DP-SGD, wrapping any ``torch.optim.Optimizer``.
+
+Every variant (per-layer clipping, adaptive clipping, distributed, multi-pass, fast clipping)
+extends this class by overriding one stage of :meth:`DPOptimizer.pre_step`.
+
+Per-sample gradients are read from ``p.grad_sample``: ``(B, *p.shape)`` for one backward pass,
+a list of those when gradients were accumulated over several passes, or ``(P, B, *p.shape)`` in
+multi-pass mode. Internally everything is viewed as ``(P, B, *p.shape)``; a *unit* is one
+(pass, sample) pair and is what gets clipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ..grad_sample.gsm_base import _check_loss_reduction, clear_grad_sample
+from ..utils.randomness import generate_noise
+
+logger = logging.getLogger(__name__)
+
+CLIP_EPS = 1e-6
+
+
+def _mark_as_processed(obj: torch.Tensor | list[torch.Tensor]) -> None:
+    """Marks a tensor (or each tensor of a list) as consumed by an optimizer step."""
+    if isinstance(obj, torch.Tensor):
+        obj._processed = True
+    elif isinstance(obj, list):
+        for x in obj:
+            x._processed = True
+
+
+def _check_processed_flag_tensor(x: torch.Tensor) -> None:
+    if hasattr(x, "_processed"):
+        raise ValueError(
+            "Gradients haven't been cleared since the last optimizer step. Call "
+            "optimizer.zero_grad() after every optimizer.step(), or the same per-sample "
+            "gradients would be used (and their privacy spent) twice."
+        )
+
+
+def _check_processed_flag(obj: torch.Tensor | list[torch.Tensor]) -> None:
+    """Raises ``ValueError`` if ``obj`` was already consumed by a step (no ``zero_grad`` since)."""
+    if isinstance(obj, torch.Tensor):
+        _check_processed_flag_tensor(obj)
+    elif isinstance(obj, list):
+        for x in obj:
+            _check_processed_flag_tensor(x)
+
+
+def _generate_noise(
+    std: float,
+    reference: torch.Tensor,
+    generator: torch.Generator | None = None,
+    secure_mode: bool = False,
+) -> torch.Tensor:
+    """``N(0, std²)`` noise shaped like ``reference`` (OS CSPRNG when ``secure_mode``)."""
+    return generate_noise(std, reference, generator=generator, secure_mode=secure_mode)
+
+
+def _get_flat_grad_sample(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad_sample`` as one tensor: accumulated lists are concatenated along the batch."""
+    gs = getattr(p, "grad_sample", None)
+    if gs is None:
+        raise ValueError(
+            "Per-sample gradient not found for a trainable parameter. Wrap the model in "
+            "dptorch.GradSampleModule (or use PrivacyEngine.make_private) and run backward "
+            "before optimizer.step()."
+        )
+    if isinstance(gs, list):
+        return torch.cat(gs, dim=0)
+    return gs
+
+
+def _as_passes(gs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """View a per-sample gradient as ``(P, B, *p.shape)``."""
+    return gs if gs.dim() == p.dim() + 2 else gs.unsqueeze(0)
+
+
+class DPOptimizer(Optimizer):
+    """Wraps ``optimizer`` so that ``step()`` performs a DP-SGD step.
+
+    ``step()`` = :meth:`pre_step` (clip each sample's gradient to norm ``max_grad_norm``, sum,
+    add ``N(0, (noise_multiplier · max_grad_norm)²)`` noise, divide by the expected batch size
+    for ``loss_reduction="mean"``, run step hooks) then the wrapped optimizer's ``step``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` over the model's parameters.
+        noise_multiplier: σ, the ratio of the noise std to the clipping norm (>= 0).
+        max_grad_norm: C, the per-sample gradient L2 clipping norm (> 0).
+        expected_batch_size: the expected (logical) batch size, ``q · N``; required for "mean".
+        loss_reduction: ``"mean"`` or ``"sum"``, as in the loss.
+        generator: ``torch.Generator`` for the noise (ignored in secure mode).
+        secure_mode: draw noise from the OS CSPRNG.
+        accum_passes / num_private_passes / auto_clip_and_accum_on_step: multi-pass training, see
+            docs/multi_pass.md. ``accum_passes=True`` sums each sample's gradient over passes and
+            clips once; ``False`` clips every pass and multiplies the noise by
+            ``num_private_passes``.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        expected_batch_size: int | None,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+        accum_passes: bool | None = None,
+        num_private_passes: int | None = None,
+        auto_clip_and_accum_on_step: bool = True,
+        **kwargs,
+    ):
+        _check_loss_reduction(loss_reduction)
+        if noise_multiplier is None or not (noise_multiplier >= 0):
+            raise ValueError(
+                f"noise_multiplier must be >= 0, got {noise_multiplier}. It is the noise std "
+                "relative to max_grad_norm (typical values 0.5-2)."
+            )
+        self._validate_max_grad_norm(max_grad_norm)
+        if loss_reduction == "mean" and (expected_batch_size is None or expected_batch_size <= 0):
+            raise ValueError(
+                "expected_batch_size must be a positive integer with loss_reduction='mean' "
+                f"(got {expected_batch_size}); it is sample_rate * len(dataset)."
+            )
+        if secure_mode and generator is not None:
+            raise ValueError(
+                "secure_mode draws noise from the OS CSPRNG and cannot take a seeded generator; "
+                "pass generator=None."
+            )
+        _validate_multi_pass(accum_passes, num_private_passes)
+        self.original_optimizer = optimizer
+        self.noise_multiplier = noise_multiplier
+        self.max_grad_norm = max_grad_norm
+        self.loss_reduction = loss_reduction
+        self.expected_batch_size = expected_batch_size
+        self.generator = generator
+        self.secure_mode = secure_mode
+        self.accum_passes = accum_passes
+        self.num_private_passes = num_private_passes
+        self.auto_clip_and_accum_on_step = auto_clip_and_accum_on_step
+        self.step_hook: Callable[[DPOptimizer], None] | None = None
+        self._step_skip_queue: list[bool] = []
+        self._is_last_step_skipped = False
+        self._manual_stage = 0  # 0: nothing done, 1: clipped, 2: folded, 3: accumulated
+        self.param_groups = optimizer.param_groups
+        self.defaults = optimizer.defaults
+        for p in self.params:
+            p.summed_grad = None
+
+    # ------------------------------------------------------------------ torch.optim plumbing
+    @staticmethod
+    def _validate_max_grad_norm(max_grad_norm) -> None:
+        """C must be a positive number (``inf`` disables clipping)."""
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not (
+            max_grad_norm > 0
+        ):
+            raise ValueError(
+                f"max_grad_norm must be > 0, got {max_grad_norm}. It is the L2 norm each "
+                "sample's gradient is clipped to (typical values 0.1-10)."
+            )
+
+    def __getattr__(self, item):
+        # torch.optim internals (hooks dicts, _opt_called, ...) live on the wrapped optimizer
+        if item == "original_optimizer":
+            raise AttributeError(item)
+        return getattr(self.original_optimizer, item)
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.original_optimizer.state = value
+
+    def state_dict(self):
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.original_optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.original_optimizer!r})"
+
+    # ------------------------------------------------------------------ views
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Trainable parameters of every param group."""
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _params_with_grad_sample(self) -> list[nn.Parameter]:
+        """Parameters that took part in the backward pass(es) since the last step."""
+        out = []
+        for p in self.params:
+            if getattr(p, "grad_sample", None) is not None:
+                out.append(p)
+            elif p.grad is not None:
+                _get_flat_grad_sample(p)  # raises: a gradient without per-sample gradient
+        return out
+
+    @property
+    def grad_samples(self) -> list[torch.Tensor]:
+        """Per-sample gradients of every parameter that has them (lists concatenated)."""
+        return [_get_flat_grad_sample(p) for p in self._params_with_grad_sample()]
+
+    @property
+    def accumulated_iterations(self) -> int:
+        """Number of backward passes accumulated since the last step (1 without accumulation).
+
+        Multi-pass slices are passes over the same batch, not accumulated iterations: they count 1.
+        """
+        vals = set()
+        for p in self._params_with_grad_sample():
+            gs = p.grad_sample
+            vals.add(len(gs) if isinstance(gs, list) else 1)
+        if len(vals) > 1:
+            raise ValueError(
+                "Parameters accumulated different numbers of backward passes; call "
+                "optimizer.zero_grad() before each logical batch."
+            )
+        return vals.pop() if vals else 1
+
+    @property
+    def noise_scale_factor(self) -> int:
+        """Sensitivity of the clipped sum in units of ``max_grad_norm`` (``num_private_passes``
+        with split clipping, else 1)."""
+        return self.num_private_passes if self.accum_passes is False else 1
+
+    @property
+    def noise_std(self) -> float:
+        """Std of the Gaussian noise added to the clipped sum: ``σ · C · noise_scale_factor``."""
+        if self.noise_multiplier == 0:
+            return 0.0
+        return self.noise_multiplier * self.max_grad_norm * self.noise_scale_factor
+
+    # ------------------------------------------------------------------ the DP-SGD stages
+    def _unit_grad_samples(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """``(p, per-unit gradient (P, B, *p.shape))`` with passes folded when ``accum_passes``."""
+        out = []
+        for p in self._params_with_grad_sample():
+            gs = _as_passes(_get_flat_grad_sample(p), p)
+            if self.accum_passes:
+                gs = gs.sum(0, keepdim=True)
+            out.append((p, gs))
+        return out
+
+    def per_sample_norms(self, unit_grads=None) -> torch.Tensor:
+        """L2 norm over all parameters of each unit's gradient, ``(P, B)``."""
+        unit_grads = self._unit_grad_samples() if unit_grads is None else unit_grads
+        if not unit_grads:
+            return torch.zeros(1, 0)
+        sq = torch.stack([gs.flatten(2).pow(2).sum(2) for _, gs in unit_grads], dim=0)
+        return sq.sum(0).sqrt()
+
+    def compute_clip_factors(self, unit_grads=None) -> list[torch.Tensor]:
+        """Per-parameter clip factors ``(P, B)``: ``min(1, C / (norm + 1e-6))``."""
+        unit_grads = self._unit_grad_samples() if unit_grads is None else unit_grads
+        norms = self.per_sample_norms(unit_grads)
+        factor = (self.max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+        return [factor] * len(unit_grads)
+
+    def clip_and_accumulate(self) -> None:
+        """Clips each unit's gradient and adds the sum over units to ``p.summed_grad``."""
+        unit_grads = self._unit_grad_samples()
+        for p, _ in unit_grads:
+            _check_processed_flag(p.grad_sample)
+        factors = self.compute_clip_factors(unit_grads)
+        for (p, gs), f in zip(unit_grads, factors):
+            self._add_to_summed_grad(p, torch.einsum("pb,pb...->...", f.to(gs.dtype), gs))
+            _mark_as_processed(p.grad_sample)
+
+    def _add_to_summed_grad(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        if p.summed_grad is None:
+            p.summed_grad = g
+        else:
+            p.summed_grad = p.summed_grad + g
+
+    # manual multi-pass control -------------------------------------------------------------
+    def clip(self) -> None:
+        """Manual stage 1: scales every unit's per-sample gradient in ``p.grad_sample`` in place
+        to norm <= C (with ``accum_passes=True`` the passes are folded first)."""
+        if self._manual_stage != 0:
+            raise RuntimeError("clip() was already called for this step; call step() next.")
+        if self.accum_passes:
+            self.accum_grads_across_passes()
+        unit_grads = [(p, _as_passes(_get_flat_grad_sample(p), p)) for p in self._params_with_grad_sample()]
+        factors = self.compute_clip_factors(unit_grads)
+        for (p, gs), f in zip(unit_grads, factors):
+            scaled = gs * f.to(gs.dtype).view(*f.shape, *([1] * (gs.dim() - 2)))
+            p.grad_sample = scaled if p.grad_sample.dim() == gs.dim() else scaled.squeeze(0)
+        self._manual_stage = 1
+
+    def accum_grads_across_passes(self) -> None:
+        """Folds the pass axis: ``p.grad_sample`` ``(P, B, ...)`` becomes ``(1, B, ...)``."""
+        if self._manual_stage > 1:
+            raise RuntimeError("accum_grads_across_passes() must come before accumulate_batch().")
+        for p in self._params_with_grad_sample():
+            gs = _get_flat_grad_sample(p)
+            if gs.dim() == p.dim() + 2:
+                p.grad_sample = gs.sum(0, keepdim=True)
+        if self._manual_stage == 1:
+            self._manual_stage = 2
+
+    def accumulate_batch(self) -> None:
+        """Manual last stage: adds ``Σ_units p.grad_sample`` (already clipped) to ``p.summed_grad``."""
+        if self._manual_stage == 0:
+            raise RuntimeError("accumulate_batch() called before clip(): clip first.")
+        for p in self._params_with_grad_sample():
+            gs = _as_passes(_get_flat_grad_sample(p), p)
+            _check_processed_flag(p.grad_sample)
+            self._add_to_summed_grad(p, gs.sum(dim=(0, 1)))
+            _mark_as_processed(p.grad_sample)
+        self._manual_stage = 3
+
+    # noise, scaling, step --------------------------------------------------------------------
+    def add_noise(self) -> None:
+        """``p.grad = p.summed_grad + N(0, (σ · C · noise_scale_factor)²)``."""
+        std = self.noise_std
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            noise = _generate_noise(std, p.summed_grad, self.generator, self.secure_mode)
+            p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+    def scale_grad(self) -> None:
+        """Divides ``p.grad`` by ``expected_batch_size × accumulated_iterations`` for "mean"."""
+        if self.loss_reduction == "mean":
+            denom = self.expected_batch_size * self.accumulated_iterations
+            for p in self.params:
+                p.grad /= denom
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Asks the next ``step()`` to only clip and accumulate (a physical batch of a logical
+        one): no noise, no parameter update, no accounting."""
+        self._step_skip_queue.append(do_skip)
+
+    def _check_skip_next_step(self, pop_next: bool = True) -> bool:
+        if self._step_skip_queue:
+            return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
+        return False
+
+    def attach_step_hook(self, fn: Callable[[DPOptimizer], None]) -> None:
+        """``fn(optimizer)`` runs at every real (non-skipped) step, after noise (accountants)."""
+        self.step_hook = fn
+
+    def pre_step(self, closure: Callable | None = None) -> bool:
+        """Clip, accumulate, noise, scale and run hooks; ``False`` when the step is skipped."""
+        if self.auto_clip_and_accum_on_step:
+            self.clip_and_accumulate()
+        elif self._manual_stage != 3:
+            raise RuntimeError(
+                "auto_clip_and_accum_on_step=False: call clip(), optionally "
+                "accum_grads_across_passes(), then accumulate_batch() before step()."
+            )
+        self._manual_stage = 0
+        if self._check_skip_next_step():
+            self._is_last_step_skipped = True
+            return False
+        self._ensure_summed_grads()
+        self.add_noise()
+        self.scale_grad()
+        if self.step_hook is not None:
+            self.step_hook(self)
+        self._is_last_step_skipped = False
+        return True
+
+    def _ensure_summed_grads(self) -> None:
+        """Every trainable parameter is released with noise at every step, even when no sample
+        reached it (an empty Poisson batch): skipping the noise would reveal that the batch was
+        empty, which the DP guarantee does not allow."""
+        for p in self.params:
+            if p.summed_grad is None:
+                p.summed_grad = torch.zeros_like(p)
+
+    def step(self, closure: Callable | None = None):
+        """One DP-SGD step (skipped steps only accumulate)."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        if self.pre_step():
+            return self.original_optimizer.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears gradients and per-sample gradients; keeps ``summed_grad`` after a skipped step
+        so that physical batches accumulate into one logical batch."""
+        for p in self.params:
+            clear_grad_sample(p)
+            if not self._is_last_step_skipped:
+                p.summed_grad = None
+        self._manual_stage = 0
+        self.original_optimizer.zero_grad(set_to_none)
+
+
+def _validate_multi_pass(accum_passes: bool | None, num_private_passes: int | None) -> None:
+    if accum_passes is False and (num_private_passes is None or num_private_passes < 1):
+        raise ValueError(
+            "accum_passes=False (split clipping) needs num_private_passes >= 1: the number of "
+            "backward passes per step that touch private data (the noise is scaled by it)."
+        )
+    if accum_passes is not False and num_private_passes is not None:
+        raise ValueError(
+            "num_private_passes is only meaningful with accum_passes=False (split clipping); "
+            "with accum_passes=True each sample is clipped once and the noise is sigma*C."
+        )
