@@ -1,7 +1,22 @@
 """Per-sample gradients: GradSampleModule flavours and the per-layer sampler registries."""
 
-from . import linear  # noqa: F401  (registers samplers)
+from . import (  # noqa: F401  (registers samplers)
+    conv,
+    dp_multihead_attention,
+    dp_rnn,
+    embedding,
+    group_norm,
+    instance_norm,
+    layer_norm,
+    linear,
+    norm_samplers,  # noqa: E402,F401,I001  (registers norm samplers)
+    rms_norm,
+)
 from .grad_sample_module import GradSampleModule
+from .grad_sample_module_bk import GradSampleModuleBookKeeping  # noqa: E402
+from .grad_sample_module_fast_gradient_clipping import (  # noqa: E402
+    GradSampleModuleFastGradientClipping,
+)
 from .gsm_base import AbstractGradSampleModule
 from .gsm_exp_weights import GradSampleModuleExpandedWeights
 from .registry import GRAD_SAMPLERS, NORM_SAMPLERS, register_grad_sampler, register_norm_sampler
@@ -11,6 +26,8 @@ __all__ = [
     "AbstractGradSampleModule",
     "GradSampleModule",
     "GradSampleModuleExpandedWeights",
+    "GradSampleModuleFastGradientClipping",
+    "GradSampleModuleBookKeeping",
     "GRAD_SAMPLERS",
     "NORM_SAMPLERS",
     "register_grad_sampler",

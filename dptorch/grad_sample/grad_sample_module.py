@@ -14,7 +14,9 @@ longest pass are zero-padded (a zero per-sample gradient contributes nothing aft
 
 from __future__ import annotations
 
+import inspect
 import logging
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -40,6 +42,9 @@ class GradSampleModule(AbstractGradSampleModule):
             (BatchNorm, an unsupported layer). With ``False`` the problems are only logged.
         force_functorch: use ``torch.func`` for every layer instead of the registered samplers.
         multi_pass: keep one slice per backward pass: ``p.grad_sample`` is ``(n_passes, B, ...)``.
+            A second backward before the step is then legitimate, so
+            :meth:`forbid_grad_accumulation` no longer applies; every pass between two steps
+            must come from one logical batch (docs/multi_pass.md).
     """
 
     GRAD_SAMPLERS = GRAD_SAMPLERS
@@ -146,6 +151,8 @@ class GradSampleModule(AbstractGradSampleModule):
             k: (v.detach() if isinstance(v, torch.Tensor) else v)
             for k, v in (forward_kwargs or {}).items()
         }
+        if kwargs:
+            activations, kwargs = _kwargs_to_positional(module, activations, kwargs)
         out.register_hook(partial(self._on_backprops, module, activations, kwargs))
 
     def _on_backprops(self, module, activations, kwargs, grad):
@@ -190,7 +197,11 @@ class GradSampleModule(AbstractGradSampleModule):
         self._in_functorch = True
         try:
             return ft_compute_per_sample_gradient(
-                module, activations, backprops, kwargs, batch_first=self.batch_first
+                module,
+                activations,
+                backprops,
+                kwargs,
+                batch_first=module_batch_first(module, self.batch_first),
             )
         finally:
             self._in_functorch = False
@@ -209,7 +220,7 @@ class GradSampleModule(AbstractGradSampleModule):
         Returns ``(activations, backprops)``; ``B`` is ``module.max_batch_len`` when the layer
         sets it (recurrent layers fed shrinking batches), else the batch size of ``backprops``.
         """
-        if not batch_first:
+        if not module_batch_first(module, batch_first):
             backprops = backprops.movedim(1, 0)
             activations = [
                 a.movedim(1, 0) if isinstance(a, torch.Tensor) and a.dim() > 1 else a
@@ -266,8 +277,26 @@ class GradSampleModule(AbstractGradSampleModule):
                 p.grad_sample = [prev, gs]
 
     def _publish_pass(self, pending: list[nn.Parameter]) -> None:
+        """Multi-pass mode: appends this backward pass as a new slice of every ``p.grad_sample``.
+
+        Parameters the pass did not reach get a zero slice. Raises ``RuntimeError`` when the
+        current per-sample gradients were already clipped or folded by the optimizer's manual
+        stages (a pass recorded between ``clip()`` and ``step()`` would be restacked unclipped).
+        A slice published after a step without ``zero_grad`` inherits the "processed" mark, so
+        the optimizer refuses to spend those per-sample gradients a second time.
+        """
         params = [p for p in self.trainable_parameters()]
+        for p in params:
+            if getattr(getattr(p, "grad_sample", None), "_dp_stage_applied", False):
+                for q in pending:
+                    del q._current_grad_sample
+                raise RuntimeError(
+                    "A backward pass recorded per-sample gradients after optimizer.clip(): they "
+                    "would escape clipping. Run auxiliary passes between clip() and step() with "
+                    "the hooks off (GradSampleModule.disable_backward_hooks()), or before clip()."
+                )
         pass_idx = max((len(getattr(p, "_grad_sample_passes", ())) for p in params), default=0)
+        processed = any(hasattr(getattr(p, "grad_sample", None), "_processed") for p in params)
         touched = {id(p) for p in pending}
         for p in pending:
             passes = getattr(p, "_grad_sample_passes", [])
@@ -282,6 +311,8 @@ class GradSampleModule(AbstractGradSampleModule):
             if id(p) not in touched:
                 passes.extend([None] * (pass_idx + 1 - len(passes)))
             p.grad_sample = _stack_passes(p, passes)
+            if processed:
+                p.grad_sample._processed = True
 
     # ------------------------------------------------------------------ validation
     @classmethod
@@ -305,17 +336,40 @@ class GradSampleModule(AbstractGradSampleModule):
         return errors
 
 
-def per_sample_gradient_errors(module: nn.Module, samplers: dict) -> list[NotImplementedError]:
-    """Problems that make per-sample gradients of ``module`` wrong or impossible."""
-    errors: list[NotImplementedError] = []
+@dataclass(frozen=True)
+class GradSampleProblem:
+    """One reason why exact per-sample gradients of a model are impossible.
+
+    ``kind`` is ``"batch_mixing"`` (the layer mixes the samples of a batch: BatchNorm),
+    ``"needs_dp_layer"`` (a torch layer with fused kernels that has a dptorch replacement) or
+    ``"buffers_no_sampler"`` (a trainable layer with buffers and no registered grad sampler).
+    ``message`` names the module path and the fix.
+    """
+
+    path: str
+    module: nn.Module
+    kind: str
+    message: str
+
+
+def per_sample_gradient_problems(module: nn.Module, samplers: dict) -> list[GradSampleProblem]:
+    """Every layer of ``module`` whose per-sample gradients would be wrong or impossible.
+
+    Shared by :meth:`GradSampleModule.validate` (which raises them as ``NotImplementedError``)
+    and :class:`dptorch.validators.ModuleValidator` (which reports them with its own error types).
+    """
+    problems: list[GradSampleProblem] = []
     for name, m in module.named_modules():
         path = name or "<root>"
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            errors.append(
-                NotImplementedError(
+            problems.append(
+                GradSampleProblem(
+                    path,
+                    m,
+                    "batch_mixing",
                     f"{path} ({type(m).__name__}) mixes samples of a batch, so per-sample "
                     "gradients are undefined. Replace it, e.g. with GroupNorm: "
-                    "model = dptorch.validators.ModuleValidator.fix(model)."
+                    "model = dptorch.validators.ModuleValidator.fix(model).",
                 )
             )
     for name, m in trainable_units(module):
@@ -323,24 +377,60 @@ def per_sample_gradient_errors(module: nn.Module, samplers: dict) -> list[NotImp
         if type(m) in samplers:
             continue
         if isinstance(m, (nn.RNNBase, nn.MultiheadAttention)):
-            errors.append(
-                NotImplementedError(
+            problems.append(
+                GradSampleProblem(
+                    path,
+                    m,
+                    "needs_dp_layer",
                     f"{path} ({type(m).__name__}) has no per-sample gradient. Use dptorch's DP "
                     "layer (DPLSTM/DPGRU/DPRNN/DPMultiheadAttention): "
-                    "model = dptorch.validators.ModuleValidator.fix(model)."
+                    "model = dptorch.validators.ModuleValidator.fix(model).",
                 )
             )
         elif any(True for _ in m.buffers(recurse=False)) and not isinstance(
             m, nn.modules.batchnorm._BatchNorm
         ):
-            errors.append(
-                NotImplementedError(
+            problems.append(
+                GradSampleProblem(
+                    path,
+                    m,
+                    "buffers_no_sampler",
                     f"{path} ({type(m).__name__}) is trainable, has buffers and no registered "
                     "grad sampler: its buffers may depend on the batch. Register one with "
-                    "dptorch.grad_sample.register_grad_sampler, or freeze it."
+                    "dptorch.grad_sample.register_grad_sampler, or freeze it.",
                 )
             )
-    return errors
+    return problems
+
+
+def per_sample_gradient_errors(module: nn.Module, samplers: dict) -> list[NotImplementedError]:
+    """:func:`per_sample_gradient_problems` as ``NotImplementedError`` instances."""
+    return [NotImplementedError(p.message) for p in per_sample_gradient_problems(module, samplers)]
+
+
+def _kwargs_to_positional(module: nn.Module, args: list, kwargs: dict) -> tuple[list, dict]:
+    """Moves the keyword arguments of a call that ``module.forward`` also accepts positionally
+    into ``args`` (signature order, skipped ones filled with their defaults), so that grad
+    samplers, which only see positional inputs, get them (e.g. ``EmbeddingBag(x, offsets=o)``).
+    Keyword-only arguments stay in ``kwargs``; an unbindable call is left unchanged."""
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    bound.apply_defaults()
+    return list(bound.args), dict(bound.kwargs)
+
+
+def module_batch_first(module: nn.Module, batch_first: bool) -> bool:
+    """Whether ``module``'s inputs/outputs have the batch in dimension 0.
+
+    A layer may fix its own layout with an attribute ``grad_sample_batch_first`` (``True``: always
+    batch first, ``False``: always ``(T, B, ...)``), e.g. ``dptorch.layers.dp_rnn.RNNLinear``,
+    whose calls are batch first whatever the ``batch_first`` of the ``GradSampleModule``; without
+    it (or with ``None``) the module follows ``batch_first``.
+    """
+    own = getattr(module, "grad_sample_batch_first", None)
+    return batch_first if own is None else bool(own)
 
 
 def _first_tensor(x):
@@ -360,10 +450,16 @@ def _pad_batch(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _stack_passes(p: nn.Parameter, passes: list) -> torch.Tensor:
+    """Stacks the per-pass gradients of ``p`` into ``(n_passes, B_max, *p.shape)``, zero padded.
+
+    The result carries ``_pass_batch_sizes``: the batch size of each pass (``None`` where the
+    pass did not reach ``p``), which the optimizer checks in ``accum_passes=True`` mode.
+    """
     b = max((g.shape[0] for g in passes if g is not None), default=0)
     ref = next(g for g in passes if g is not None)
     out = ref.new_zeros((len(passes), b, *p.shape))
     for i, g in enumerate(passes):
         if g is not None:
             out[i, : g.shape[0]] = g
+    out._pass_batch_sizes = tuple(None if g is None else g.shape[0] for g in passes)
     return out

@@ -2,20 +2,42 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from .gsm_base import AbstractGradSampleModule
+from .unit_params import trainable_units
+
+# Trainable layers whose functional form ExpandedWeights cannot differentiate per sample.
+_EW_UNSUPPORTED = (
+    nn.EmbeddingBag,
+    nn.RMSNorm,
+    nn.RNNBase,
+    nn.RNNCellBase,
+    nn.MultiheadAttention,
+    nn.modules.batchnorm._BatchNorm,
+)
+_EW_UNSUPPORTED_NAMES = ("DPLSTM", "DPGRU", "DPRNN", "DPMultiheadAttention")
 
 
 class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
     """ExpandedWeights-based implementation of :class:`AbstractGradSampleModule`.
 
     Each forward runs under ``torch.nn.utils._per_sample_grad.call_for_per_sample_grads``, which
-    makes PyTorch's own kernels fill ``p.grad_sample`` (``(B, *p.shape)``).
+    makes PyTorch's own kernels fill ``p.grad_sample`` (``(B, *p.shape)``). With
+    ``loss_reduction="mean"`` they are rescaled by ``B``, as in hooks mode: the mean of
+    ``p.grad_sample`` over the batch is the gradient of the loss. At the end of each backward pass
+    this module also sets ``p.grad`` to that gradient (PyTorch leaves it ``None``) and zeroes the
+    ``padding_idx`` contribution of ``nn.Embedding`` (PyTorch's ExpandedWeights does not).
+
+    A second backward pass without ``zero_grad()`` turns ``p.grad_sample`` into a list (one entry
+    per pass), or raises ``ValueError`` after :meth:`forbid_grad_accumulation`.
 
     Limits (each raises rather than returning wrong numbers): ``batch_first=False``, recurrent
-    layers, empty batches.
+    layers, attention, EmbeddingBag, RMSNorm, BatchNorm, empty batches, and any function
+    ExpandedWeights has no rule for.
     """
 
     def __init__(
@@ -27,24 +49,119 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
                 "use grad_sample_mode='hooks' or 'functorch'."
             )
         for name, sub in m.named_modules():
-            if isinstance(sub, nn.RNNBase) or type(sub).__name__ in ("DPLSTM", "DPGRU", "DPRNN"):
+            if isinstance(sub, _EW_UNSUPPORTED) or type(sub).__name__ in _EW_UNSUPPORTED_NAMES:
+                trainable = any(p.requires_grad for p in sub.parameters())
+                unsupported = isinstance(sub, nn.modules.batchnorm._BatchNorm) or trainable
+            else:
+                unsupported = (
+                    isinstance(sub, nn.Conv3d)
+                    and tuple(sub.dilation) != (1, 1, 1)
+                    and any(p.requires_grad for p in sub.parameters())
+                )
+            if unsupported:
+                what = "Conv3d with dilation" if isinstance(sub, nn.Conv3d) else type(sub).__name__
                 raise NotImplementedError(
-                    f"{name or '<root>'} ({type(sub).__name__}) is recurrent; ExpandedWeights "
-                    "cannot compute its per-sample gradients. Use grad_sample_mode='hooks'."
+                    f"{name or '<root>'} ({what}) is not supported by ExpandedWeights "
+                    "(grad_sample_mode='ew'). Use grad_sample_mode='hooks' (after "
+                    "dptorch.validators.ModuleValidator.fix(model) for BatchNorm and torch.nn "
+                    "recurrent/attention layers)."
                 )
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction)
+        self._callback_queued = False
+        self._previous: dict[int, tuple[nn.Parameter, list]] = {}
+        self._padding_corrections: list[tuple[nn.Parameter, int, torch.Tensor]] = []
+        self._hooks = []
+        for _, unit in trainable_units(m):
+            self._hooks.append(unit.register_forward_hook(self._on_unit_forward))
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
 
+        if not self.training or not torch.is_grad_enabled():
+            return self._module(x, *args, **kwargs)
         batch_size = x.shape[0]
         if batch_size == 0:
             raise ValueError(
                 "ExpandedWeights cannot process an empty batch (Poisson sampling can produce one). "
                 "Use grad_sample_mode='hooks', which handles empty batches."
             )
+        self._stash_previous_grad_samples()
+        try:
+            return call_for_per_sample_grads(
+                self._module, batch_size=batch_size, loss_reduction=self.loss_reduction
+            )(x, *args, **kwargs)
+        except RuntimeError as e:
+            if "Expanded Weights" not in str(e):
+                raise
+            raise NotImplementedError(
+                f"ExpandedWeights (grad_sample_mode='ew') cannot compute per-sample gradients of "
+                f"this model: {e}. Use grad_sample_mode='hooks' or 'functorch'."
+            ) from e
+
+    # ------------------------------------------------------------------ accumulation
+    def _stash_previous_grad_samples(self) -> None:
+        """Moves ``grad_sample`` of an earlier pass aside (PyTorch refuses to run otherwise)."""
+        for p in self.trainable_parameters():
+            prev = getattr(p, "grad_sample", None)
+            if prev is None:
+                continue
+            if not self.grad_accumulation_allowed:
+                raise ValueError(
+                    "A second forward/backward pass ran before optimizer.step()/zero_grad(), and "
+                    "gradient accumulation is forbidden (Poisson sampling). Call "
+                    "optimizer.zero_grad() after every step, or use BatchMemoryManager."
+                )
+            self._previous[id(p)] = (p, prev if isinstance(prev, list) else [prev])
+            del p.grad_sample
+
+    # ------------------------------------------------------------------ end of backward
+    def _on_unit_forward(self, module: nn.Module, args, output) -> None:
         if not self.training or not torch.is_grad_enabled():
-            return self._module(x, *args, **kwargs)
-        return call_for_per_sample_grads(
-            self._module, batch_size=batch_size, loss_reduction=self.loss_reduction
-        )(x, *args, **kwargs)
+            return
+        out = output if isinstance(output, torch.Tensor) else None
+        if out is None or not out.requires_grad:
+            return
+        padding = None
+        if type(module) is nn.Embedding and module.padding_idx is not None:
+            padding = (module, args[0].detach())
+        out.register_hook(partial(self._on_unit_backprops, padding))
+
+    def _on_unit_backprops(self, padding, grad: torch.Tensor) -> None:
+        if padding is not None:
+            # ExpandedWeights adds the output gradient at padding positions to the padding row;
+            # remember that contribution to subtract it at the end of the pass.
+            module, ids = padding
+            scale = grad.shape[0] if self.loss_reduction == "mean" else 1
+            mask = (ids == module.padding_idx).to(grad.dtype).unsqueeze(-1)
+            corr = (grad * mask).reshape(grad.shape[0], -1, grad.shape[-1]).sum(1) * scale
+            self._padding_corrections.append((module.weight, module.padding_idx, corr))
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        for p, idx, corr in self._padding_corrections:
+            gs = getattr(p, "grad_sample", None)
+            if isinstance(gs, torch.Tensor):
+                gs[:, idx] -= corr
+        self._padding_corrections = []
+        for p in self.trainable_parameters():
+            gs = getattr(p, "grad_sample", None)
+            if not isinstance(gs, torch.Tensor):
+                continue
+            g = gs.mean(0) if self.loss_reduction == "mean" else gs.sum(0)
+            p.grad = g if p.grad is None else p.grad + g
+            prev = self._previous.pop(id(p), None)
+            if prev is not None:
+                p.grad_sample = prev[1] + [gs]
+        # parameters untouched by this pass keep their earlier grad_sample
+        for p, prev in self._previous.values():
+            p.grad_sample = prev[0] if len(prev) == 1 else prev
+        self._previous = {}
+
+    def _close(self) -> None:
+        super()._close()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -150,6 +150,8 @@ class DPOptimizer(Optimizer):
         self._step_skip_queue: list[bool] = []
         self._is_last_step_skipped = False
         self._manual_stage = 0  # 0: nothing done, 1: clipped, 2: folded, 3: accumulated
+        self._warned_public_passes = False
+        self._folded_passes = 0
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
         for p in self.params:
@@ -247,13 +249,70 @@ class DPOptimizer(Optimizer):
     # ------------------------------------------------------------------ the DP-SGD stages
     def _unit_grad_samples(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """``(p, per-unit gradient (P, B, *p.shape))`` with passes folded when ``accum_passes``."""
+        params = self._params_with_grad_sample()
+        self._check_grad_sample_layout(params)
         out = []
-        for p in self._params_with_grad_sample():
-            gs = _as_passes(_get_flat_grad_sample(p), p)
+        for p, gs in _unit_views(params):
             if self.accum_passes:
                 gs = gs.sum(0, keepdim=True)
             out.append((p, gs))
         return out
+
+    def _check_grad_sample_layout(self, params: list[nn.Parameter]) -> None:
+        """Refuses per-sample gradients whose layout contradicts the multi-pass settings.
+
+        * ``(n_passes, B, ...)`` gradients need ``accum_passes`` (the noise calibration depends
+          on it), and ``accum_passes`` needs them (else the model is not in multi-pass mode);
+        * ``accum_passes=True`` pairs the passes by sample index, which is only sound when every
+          pass has the same batch size (docs/multi_pass.md);
+        * split clipping with more passes than ``num_private_passes`` relies on the extra passes
+          being independent of the private data: said once in the log.
+        """
+        sizes: set[int] = set()
+        n_passes = 0
+        for p in params:
+            gs = p.grad_sample
+            multi = isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2
+            if multi and self.accum_passes is None:
+                raise ValueError(
+                    "Per-sample gradients have a pass axis (n_passes, B, ...) (GradSampleModule("
+                    "multi_pass=True)) but the optimizer has accum_passes=None. Choose "
+                    "accum_passes=True (sum each sample's passes, clip once) or accum_passes=False "
+                    "with num_private_passes (clip every pass, noise x num_private_passes)."
+                )
+            if not multi and self.accum_passes is not None:
+                raise ValueError(
+                    f"accum_passes={self.accum_passes} is set but the per-sample gradients are "
+                    "single-pass (B, ...): wrap the model with GradSampleModule(..., "
+                    "multi_pass=True) or call make_private(..., multi_pass=True)."
+                )
+            if multi:
+                n_passes = max(n_passes, gs.shape[0])
+                sizes.update(b for b in getattr(gs, "_pass_batch_sizes", ()) if b is not None)
+        if self.accum_passes and len(sizes) > 1:
+            raise ValueError(
+                f"accum_passes=True sums per-sample gradients across passes by batch index, but "
+                f"the passes had different batch sizes {sorted(sizes)}. Pairing sample i of one "
+                "pass with sample i of another is only private when every pass has as many "
+                "samples as the real batch (e.g. generate len(real_batch) fake samples), see "
+                "docs/multi_pass.md. Otherwise use accum_passes=False (split clipping)."
+            )
+        if (
+            self.accum_passes is False
+            and n_passes > self.num_private_passes
+            and not self._warned_public_passes
+        ):
+            self._warned_public_passes = True
+            logger.warning(
+                "Split clipping: %d backward passes were recorded but num_private_passes=%d. The "
+                "noise only covers %d private pass(es): every other pass must not depend on the "
+                "private data, and its batch size must not depend on the private batch (e.g. a "
+                "fixed number of generated samples). Otherwise raise num_private_passes. See "
+                "docs/multi_pass.md.",
+                n_passes,
+                self.num_private_passes,
+                self.num_private_passes,
+            )
 
     def per_sample_norms(self, unit_grads=None) -> torch.Tensor:
         """L2 norm over all parameters of each unit's gradient, ``(P, B)``."""
@@ -287,41 +346,94 @@ class DPOptimizer(Optimizer):
             p.summed_grad = p.summed_grad + g
 
     # manual multi-pass control -------------------------------------------------------------
+    # With auto_clip_and_accum_on_step=False the user runs, once per step and in this order:
+    # clip(), optionally accum_grads_across_passes(), accumulate_batch(), then step(). Between
+    # the stages p.grad_sample holds clipped gradients that may be inspected or edited; the
+    # edits are re-checked against the clipping bound before they reach p.summed_grad.
     def clip(self) -> None:
-        """Manual stage 1: scales every unit's per-sample gradient in ``p.grad_sample`` in place
-        to norm <= C (with ``accum_passes=True`` the passes are folded first)."""
+        """Manual stage 1: replaces every ``p.grad_sample`` by its clipped version, each unit
+        scaled to norm <= C (with ``accum_passes=True`` the passes are folded first, so
+        ``p.grad_sample`` becomes ``(1, B, ...)``). Accumulated (list) per-sample gradients keep
+        their list layout."""
+        if self.auto_clip_and_accum_on_step:
+            raise RuntimeError(
+                "clip() is a manual stage: build the optimizer with "
+                "auto_clip_and_accum_on_step=False, or let step() clip and accumulate."
+            )
         if self._manual_stage != 0:
-            raise RuntimeError("clip() was already called for this step; call step() next.")
+            raise RuntimeError(
+                "clip() was already called for this step: call accumulate_batch(), then step()."
+            )
+        params = self._params_with_grad_sample()
+        self._check_grad_sample_layout(params)
+        for p in params:
+            _check_processed_flag(p.grad_sample)
+        unit_grads = _unit_views(params)
         if self.accum_passes:
-            self.accum_grads_across_passes()
-        unit_grads = [(p, _as_passes(_get_flat_grad_sample(p), p)) for p in self._params_with_grad_sample()]
+            unit_grads = [(p, gs.sum(0, keepdim=True)) for p, gs in unit_grads]
         factors = self.compute_clip_factors(unit_grads)
         for (p, gs), f in zip(unit_grads, factors):
             scaled = gs * f.to(gs.dtype).view(*f.shape, *([1] * (gs.dim() - 2)))
-            p.grad_sample = scaled if p.grad_sample.dim() == gs.dim() else scaled.squeeze(0)
+            p.grad_sample = _restore_layout(scaled, p)
         self._manual_stage = 1
 
     def accum_grads_across_passes(self) -> None:
-        """Folds the pass axis: ``p.grad_sample`` ``(P, B, ...)`` becomes ``(1, B, ...)``."""
-        if self._manual_stage > 1:
-            raise RuntimeError("accum_grads_across_passes() must come before accumulate_batch().")
-        for p in self._params_with_grad_sample():
-            gs = _get_flat_grad_sample(p)
-            if gs.dim() == p.dim() + 2:
+        """Optional manual stage 2: folds the pass axis of the clipped per-sample gradients,
+        ``(P, B, ...)`` becomes ``(1, B, ...)`` (each sample's clipped passes summed). The noised
+        sum, and so the privacy, are unchanged."""
+        if self._manual_stage != 1:
+            raise RuntimeError(
+                "accum_grads_across_passes() folds clipped per-sample gradients: call it once, "
+                "after clip() and before accumulate_batch()."
+            )
+        params = self._params_with_grad_sample()
+        self._check_clipped(params)
+        for p in params:
+            gs = p.grad_sample
+            if isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2:
+                self._folded_passes = max(self._folded_passes, gs.shape[0])
                 p.grad_sample = gs.sum(0, keepdim=True)
-        if self._manual_stage == 1:
-            self._manual_stage = 2
+                p.grad_sample._dp_stage_applied = True
+        self._manual_stage = 2
 
     def accumulate_batch(self) -> None:
-        """Manual last stage: adds ``Σ_units p.grad_sample`` (already clipped) to ``p.summed_grad``."""
-        if self._manual_stage == 0:
-            raise RuntimeError("accumulate_batch() called before clip(): clip first.")
-        for p in self._params_with_grad_sample():
-            gs = _as_passes(_get_flat_grad_sample(p), p)
+        """Manual last stage: adds ``Σ_units p.grad_sample`` (already clipped) to ``p.summed_grad``.
+
+        Raises ``ValueError`` if edits since :meth:`clip` pushed a unit above the clipping bound
+        (the noise would no longer cover it). Terms added to ``p.summed_grad`` by hand are not
+        checked: they must not depend on private data.
+        """
+        if self._manual_stage not in (1, 2):
+            raise RuntimeError(
+                "accumulate_batch() must follow clip() (and optionally "
+                "accum_grads_across_passes()), once per step."
+                if self._manual_stage == 0
+                else "accumulate_batch() was already called for this step; call step() next."
+            )
+        params = self._params_with_grad_sample()
+        self._check_clipped(params)
+        for p, gs in _unit_views(params):
             _check_processed_flag(p.grad_sample)
             self._add_to_summed_grad(p, gs.sum(dim=(0, 1)))
             _mark_as_processed(p.grad_sample)
         self._manual_stage = 3
+
+    def _check_clipped(self, params: list[nn.Parameter]) -> None:
+        """Raises ``ValueError`` if a unit of the (clipped) ``p.grad_sample`` exceeds the bound
+        its noise is calibrated to: C, or C times the number of folded passes."""
+        unit_grads = _unit_views(params)
+        if not unit_grads:
+            return
+        folds = self._folded_passes if self._manual_stage == 2 else 1
+        bound = float(self.max_grad_norm) * max(folds, 1)
+        norms = DPOptimizer.per_sample_norms(self, unit_grads)
+        worst = float(norms.max()) if norms.numel() else 0.0
+        if worst > bound * (1 + 1e-4) + CLIP_EPS:
+            raise ValueError(
+                f"A clipped per-sample gradient now has norm {worst:.6g} > {bound:.6g}: it was "
+                "changed after clip() and the noise no longer covers it. Clip what you add to "
+                "p.grad_sample, or add data-independent terms to p.summed_grad instead."
+            )
 
     # noise, scaling, step --------------------------------------------------------------------
     def add_noise(self) -> None:
@@ -364,6 +476,7 @@ class DPOptimizer(Optimizer):
                 "accum_grads_across_passes(), then accumulate_batch() before step()."
             )
         self._manual_stage = 0
+        self._folded_passes = 0
         if self._check_skip_next_step():
             self._is_last_step_skipped = True
             return False
@@ -400,10 +513,71 @@ class DPOptimizer(Optimizer):
             if not self._is_last_step_skipped:
                 p.summed_grad = None
         self._manual_stage = 0
+        self._folded_passes = 0
         self.original_optimizer.zero_grad(set_to_none)
 
 
+def _unit_views(params: list[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """``(p, p.grad_sample as (P, B, *p.shape))``, lists concatenated, all padded to the same
+    ``B`` (a pass may reach some parameters with a smaller batch than others)."""
+    views = [(p, _as_passes(_get_flat_grad_sample(p), p)) for p in params]
+    b = max((gs.shape[1] for _, gs in views), default=0)
+    out = []
+    for p, gs in views:
+        if gs.shape[1] < b:
+            pad = gs.new_zeros((gs.shape[0], b - gs.shape[1], *gs.shape[2:]))
+            gs = torch.cat([gs, pad], dim=1)
+        out.append((p, gs))
+    return out
+
+
+def _restore_layout(units: torch.Tensor, p: nn.Parameter) -> torch.Tensor | list[torch.Tensor]:
+    """Gives clipped ``units`` ``(P, B', ...)`` the layout of ``p.grad_sample`` (a list, a
+    single-pass ``(B, ...)`` or a multi-pass tensor) and marks them as clipped, so that a later
+    multi-pass backward refuses to restack them with unclipped passes."""
+    old = p.grad_sample
+    if isinstance(old, list):
+        sizes = [g.shape[0] for g in old]
+        new = list(units[0, : sum(sizes)].split(sizes))
+    elif old.dim() == p.dim() + 1:
+        new = [units[0, : old.shape[0]]]
+    else:
+        new = [units[:, : old.shape[1]]]
+    for t in new:
+        t._dp_stage_applied = True
+    return new if isinstance(old, list) else new[0]
+
+
+def validate_multi_pass_args(
+    multi_pass: bool, accum_passes: bool | None, num_private_passes: int | None
+) -> None:
+    """Checks the multi-pass arguments of ``make_private`` together (docs/multi_pass.md).
+
+    Raises ``ValueError`` for ``multi_pass=True`` without ``accum_passes``, for
+    ``accum_passes``/``num_private_passes`` without ``multi_pass``, and for the inconsistent
+    ``accum_passes``/``num_private_passes`` pairs rejected by the optimizer.
+    """
+    if multi_pass and accum_passes is None:
+        raise ValueError(
+            "multi_pass=True needs accum_passes: True (sum each sample's gradient over the "
+            "passes, clip once, noise sigma*C) or False with num_private_passes (clip every "
+            "pass, noise sigma*C*num_private_passes). See docs/multi_pass.md."
+        )
+    if not multi_pass and (accum_passes is not None or num_private_passes is not None):
+        raise ValueError(
+            "accum_passes/num_private_passes only apply to multi-pass training: pass "
+            "multi_pass=True as well."
+        )
+    _validate_multi_pass(accum_passes, num_private_passes)
+
+
 def _validate_multi_pass(accum_passes: bool | None, num_private_passes: int | None) -> None:
+    if accum_passes is not None and not isinstance(accum_passes, bool):
+        raise ValueError(f"accum_passes must be True, False or None, got {accum_passes!r}.")
+    if num_private_passes is not None and (
+        isinstance(num_private_passes, bool) or not isinstance(num_private_passes, int)
+    ):
+        raise ValueError(f"num_private_passes must be an int, got {num_private_passes!r}.")
     if accum_passes is False and (num_private_passes is None or num_private_passes < 1):
         raise ValueError(
             "accum_passes=False (split clipping) needs num_private_passes >= 1: the number of "

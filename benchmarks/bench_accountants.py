@@ -1,0 +1,81 @@
+"""Timing of dptorch's accountants (and Opacus 1.x's, if /work/opacus-venv exists).
+
+Run: ``.venv/bin/python benchmarks/bench_accountants.py [--quick]``. Prints the time of
+``get_epsilon`` after 1e4 and 1e6 steps (q = 256/60000, σ = 1.1 and σ = 3), of
+``get_noise_multiplier`` (ε = 3, 60 epochs), and ε of every accountant on the TF Privacy
+MNIST setting (σ = 1.1, 60 epochs, δ = 1e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+import warnings
+
+Q = 256 / 60000
+OPACUS_PY = "/work/opacus-venv/bin/python"
+
+_SNIPPET = r"""
+import json, sys, time, warnings
+warnings.simplefilter("ignore")
+from {pkg}.accountants import create_accountant
+from {pkg}.accountants.utils import get_noise_multiplier
+cfg = json.loads(sys.argv[1]); out = {{}}
+for name in cfg["names"]:
+    for sigma, steps in cfg["runs"]:
+        acc = create_accountant(name); acc.history = [(sigma, cfg["q"], steps)]
+        t = time.perf_counter()
+        try:
+            eps = acc.get_epsilon(1e-5)
+        except Exception as e:
+            eps = repr(e)[:60]
+        out[f"{{name}} eps sigma={{sigma}} steps={{steps}}"] = (eps, time.perf_counter() - t)
+    if cfg["gnm"]:
+        t = time.perf_counter()
+        try:
+            s = get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=cfg["q"],
+                                     epochs=60, accountant=name)
+        except Exception as e:
+            s = repr(e)[:60]
+        out[f"{{name}} get_noise_multiplier(eps=3, 60 epochs)"] = (s, time.perf_counter() - t)
+print(json.dumps(out))
+"""
+
+
+def run(pkg: str, python: str, cfg: dict) -> dict:
+    res = subprocess.run([python, "-c", _SNIPPET.format(pkg=pkg), json.dumps(cfg)],
+                         capture_output=True, text=True, timeout=3600)
+    if res.returncode:
+        return {"error": res.stderr[-500:]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="skip 1e6-step PRV and the Opacus PRV")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    runs = [(1.1, 14062), (1.1, 10**4), (1.1, 10**6), (3.0, 10**6)]
+    names = ["rdp", "gdp", "prv", "pld"]
+    ours = run("dptorch", os.path.join(os.path.dirname(__file__), "..", ".venv", "bin", "python"),
+               {"names": names, "runs": runs, "q": Q, "gnm": True})
+    print("== dptorch ==")
+    for k, (v, t) in ours.items() if "error" not in ours else []:
+        print(f"{k:45s} {v if isinstance(v, str) else f'{v:.4f}':>12s}  {t:8.3f} s")
+    if "error" in ours:
+        print(ours["error"])
+    if os.path.exists(OPACUS_PY):
+        onames = ["rdp", "gdp"] if args.quick else ["rdp", "gdp", "prv"]
+        theirs = run("opacus", OPACUS_PY, {"names": onames, "runs": runs, "q": Q, "gnm": True})
+        print("== opacus ==")
+        for k, (v, t) in theirs.items() if "error" not in theirs else []:
+            print(f"{k:45s} {v if isinstance(v, str) else f'{v:.4f}':>12s}  {t:8.3f} s")
+    t0 = time.perf_counter()
+    print(f"(total {time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""DPDataLoader: a DataLoader whose batches are drawn by Poisson sampling.
+
+Poisson sampling (each record joins each batch independently with probability ``q``) is what
+the DP-SGD accountants assume. Batch sizes vary and may be zero; the collate function is wrapped
+so that an empty batch comes out as zero-size tensors of the right trailing shape and dtype, and
+a training step on it still adds noise and is accounted for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+from .utils.randomness import secure_generator_seed
+from .utils.uniform_sampler import (
+    DistributedUniformWithReplacementSampler,
+    UniformWithReplacementSampler,
+    validate_sample_rate,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DPDataLoader", "CollateFnWithEmpty", "wrap_collate_with_empty", "switch_generator"]
+
+# DataLoader settings carried over by DPDataLoader.from_data_loader (batching is replaced).
+_CARRIED_KWARGS = (
+    "num_workers",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+def _empty_like_batch(batch: Any, batch_dim: int) -> Any:
+    """The zero-size version of a collated batch: tensors keep dtype and trailing shape."""
+    if isinstance(batch, torch.Tensor):
+        dim = batch_dim if batch.dim() > batch_dim else 0
+        return batch.narrow(dim, 0, 0) if batch.dim() > 0 else batch.new_empty((0,))
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _empty_like_batch(v, batch_dim) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_empty_like_batch(v, batch_dim) for v in batch))
+    if isinstance(batch, tuple):
+        return tuple(_empty_like_batch(v, batch_dim) for v in batch)
+    if isinstance(batch, list):
+        # default_collate turns a list of per-field values into a list of batched fields; a
+        # list of non-tensors (strings) is one field's values: empty.
+        if batch and all(isinstance(v, (torch.Tensor, Mapping, tuple, list)) for v in batch):
+            return [_empty_like_batch(v, batch_dim) for v in batch]
+        return []
+    return batch
+
+
+class CollateFnWithEmpty:
+    """Wraps a collate function so that an empty list of samples gives an empty batch.
+
+    The structure, dtypes and trailing shapes of the empty batch are those of a one-sample batch
+    of ``dataset[0]`` collated by the same function, computed once on the first empty batch.
+
+    Args:
+        collate_fn: the collate function to wrap (``default_collate`` when ``None``).
+        dataset: the dataset, used for the structure of an empty batch.
+        batch_first: whether the batch dimension of collated tensors is 0 (else 1).
+    """
+
+    def __init__(
+        self, collate_fn: Callable | None, dataset: Dataset, *, batch_first: bool = True
+    ) -> None:
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.dataset = dataset
+        self.batch_first = batch_first
+        self._empty_batch: Any = None
+
+    def __call__(self, batch: list[Any]) -> Any:
+        if len(batch) > 0:
+            return self.collate_fn(batch)
+        if self._empty_batch is None:
+            self._empty_batch = _empty_like_batch(
+                self.collate_fn([self.dataset[0]]), 0 if self.batch_first else 1
+            )
+        return self._empty_batch
+
+
+def wrap_collate_with_empty(
+    *, collate_fn: Callable | None, dataset: Dataset, batch_first: bool = True
+) -> CollateFnWithEmpty:
+    """``collate_fn`` that also handles empty batches (see :class:`CollateFnWithEmpty`)."""
+    if isinstance(collate_fn, CollateFnWithEmpty):
+        collate_fn = collate_fn.collate_fn
+    return CollateFnWithEmpty(collate_fn, dataset, batch_first=batch_first)
+
+
+def _loader_generator(generator: torch.Generator | None, secure_mode: bool) -> torch.Generator:
+    """A private generator for the DataLoader's own draws (worker base seeds).
+
+    ``DataLoader`` draws one number per iterator from its ``generator`` (or the global RNG); a
+    dedicated generator keeps that draw from shifting the sampling or noise random streams, which
+    makes a checkpointed-and-resumed run identical to an uninterrupted one.
+    """
+    g = torch.Generator()
+    if secure_mode:
+        seed = secure_generator_seed()
+    else:
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    g.manual_seed(seed)
+    return g
+
+
+class DPDataLoader(DataLoader):
+    """DataLoader over a map-style dataset with Poisson-sampled batches.
+
+    Each record joins each batch independently with probability ``sample_rate``; an epoch is
+    ``1 / sample_rate`` batches (``len()``). Empty batches are zero-size tensors.
+
+    Args:
+        dataset: a map-style dataset.
+        sample_rate: probability ``q`` of each record joining each batch, in (0, 1].
+        collate_fn: as in DataLoader (wrapped to handle empty batches).
+        drop_last: accepted for compatibility; ignored (Poisson batches have no "last").
+        generator: ``torch.Generator`` for the sampling (global RNG when ``None``).
+        distributed: DDP sampling (one shard of every Poisson batch per rank).
+        batch_first: whether the batch dimension of collated tensors is 0 (empty batches).
+        secure_mode: sampling randomness from the OS CSPRNG (no generator allowed).
+        **kwargs: other DataLoader arguments (num_workers, pin_memory, ...).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        sample_rate: float,
+        collate_fn: Callable | None = None,
+        drop_last: bool = False,
+        generator: torch.Generator | None = None,
+        distributed: bool = False,
+        batch_first: bool = True,
+        rand_on_empty: bool = False,
+        secure_mode: bool = False,
+        **kwargs,
+    ):
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                "Poisson sampling needs a map-style dataset (with __len__ and __getitem__); got "
+                f"an IterableDataset ({type(dataset).__name__})."
+            )
+        if rand_on_empty:
+            raise NotImplementedError(
+                "rand_on_empty is not supported: replacing an empty Poisson batch by a random "
+                "record changes the sampling the accountant assumes. Empty batches are handled "
+                "(zero-size tensors, noise-only step)."
+            )
+        validate_sample_rate(sample_rate)
+        num_samples = len(dataset)  # type: ignore[arg-type]
+        if num_samples == 0:
+            raise ValueError("The dataset is empty: there is nothing to train on.")
+        if drop_last:
+            logger.info("DPDataLoader ignores drop_last: Poisson batches have no partial last batch.")
+        self.sample_rate = sample_rate
+        self.distributed = distributed
+        self.secure_mode = secure_mode
+        batch_sampler = self._make_batch_sampler(
+            num_samples=num_samples,
+            sample_rate=sample_rate,
+            generator=generator,
+            distributed=distributed,
+            secure_mode=secure_mode,
+        )
+        kwargs.pop("batch_size", None)
+        kwargs.pop("shuffle", None)
+        kwargs.pop("sampler", None)
+        kwargs.pop("batch_sampler", None)
+        super().__init__(
+            dataset=dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=wrap_collate_with_empty(
+                collate_fn=collate_fn, dataset=dataset, batch_first=batch_first
+            ),
+            generator=_loader_generator(generator, secure_mode),
+            **kwargs,
+        )
+
+    @staticmethod
+    def _make_batch_sampler(
+        *,
+        num_samples: int,
+        sample_rate: float,
+        generator: torch.Generator | None,
+        distributed: bool,
+        secure_mode: bool,
+    ) -> Sampler:
+        """The Poisson batch sampler (hook for the distributed variant)."""
+        if distributed:
+            # each rank Poisson-samples its own shard of the data set (dptorch.distributed)
+            return DistributedUniformWithReplacementSampler(
+                total_size=num_samples,
+                sample_rate=sample_rate,
+                generator=generator,
+                secure_mode=secure_mode,
+            )
+        return UniformWithReplacementSampler(
+            num_samples=num_samples,
+            sample_rate=sample_rate,
+            generator=generator,
+            secure_mode=secure_mode,
+        )
+
+    @classmethod
+    def from_data_loader(
+        cls,
+        data_loader: DataLoader,
+        *,
+        distributed: bool = False,
+        generator: torch.Generator | None = None,
+        batch_first: bool = True,
+        rand_on_empty: bool = False,
+        secure_mode: bool = False,
+    ) -> DPDataLoader:
+        """A DPDataLoader over ``data_loader``'s dataset with ``sample_rate = 1 / len(data_loader)``.
+
+        Keeps the dataset, collate function and worker settings; batching is replaced by Poisson
+        sampling. ``generator`` defaults to ``data_loader.generator`` (ignored in secure mode only
+        if it is ``None``; a seeded generator with ``secure_mode`` is an error).
+        """
+        dataset = getattr(data_loader, "dataset", None)
+        if dataset is None:
+            raise ValueError("The data loader has no dataset: DPDataLoader needs a map-style dataset.")
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                "Poisson sampling needs a map-style dataset; got an IterableDataset "
+                f"({type(dataset).__name__})."
+            )
+        if len(dataset) == 0:  # type: ignore[arg-type]
+            raise ValueError("The data loader's dataset is empty: there is nothing to train on.")
+        n_batches = len(data_loader)
+        if n_batches == 0:
+            raise ValueError("The data loader yields no batch (len(data_loader) == 0).")
+        if generator is None and not secure_mode:
+            generator = data_loader.generator
+        kwargs = {k: getattr(data_loader, k) for k in _CARRIED_KWARGS if hasattr(data_loader, k)}
+        return cls(
+            dataset=dataset,
+            sample_rate=1 / n_batches,
+            collate_fn=data_loader.collate_fn,
+            generator=generator,
+            distributed=distributed,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+            secure_mode=secure_mode,
+            **kwargs,
+        )
+
+
+def switch_generator(*, data_loader: DataLoader, generator: torch.Generator | None) -> DataLoader:
+    """Makes ``data_loader``'s sampling use ``generator`` (in place; returns the loader).
+
+    Works on Poisson (``UniformWithReplacementSampler``) and shuffling (``RandomSampler``)
+    loaders; raises ``ValueError`` when the sampling has no generator to switch.
+    """
+    for sampler in (data_loader.batch_sampler, data_loader.sampler):
+        if sampler is not None and hasattr(sampler, "generator"):
+            sampler.generator = generator
+            return data_loader
+        inner = getattr(sampler, "sampler", None)  # BatchSampler(RandomSampler)
+        if inner is not None and hasattr(inner, "generator"):
+            inner.generator = generator
+            return data_loader
+    raise ValueError(
+        f"Cannot switch the generator of {type(data_loader).__name__}: its sampler "
+        f"({type(data_loader.sampler).__name__}) draws no random numbers."
+    )
+

@@ -1,0 +1,312 @@
+"""Book-keeping (BK) clipping, Bu et al. 2023: ``grad_sample_mode="bk"``, one backward pass.
+
+During the ordinary ``loss.backward()`` the capture machinery of
+:class:`GradSampleModuleFastGradientClipping` records, for every hooked layer call, its inputs
+``A`` and output gradient ``G`` (or, where that is smaller and cheap, the instantiated per-sample
+gradient) and the squared per-sample norms. At the end of the pass (autograd engine callback)
+the clip factors ``c_b`` are known and each layer's clipped sum is one weighted contraction,
+e.g. ``Σ_b c_b G_bᵀ A_b`` for Linear (the cost of one ordinary weight gradient), added to
+``p.grad``.
+
+Autograd must not also compute the (unclipped) weight gradients, or the step would pay for them
+twice. Two mechanisms:
+
+* Linear (and subclasses that keep its forward, e.g. ``RNNLinear``), Conv1d/2d/3d and Embedding
+  run their forward through a custom ``torch.autograd.Function`` (an instance-level ``forward``
+  override installed at wrapping time, removed by ``to_standard_module()``) whose backward
+  returns the input gradient only; autograd never computes nor accumulates their parameter
+  gradients.
+* every other trainable parameter (normalisation layers, DP-layer biases, layers handled by
+  ``torch.func``...) gets a tensor hook that replaces its autograd gradient by zeros, so
+  ``p.grad`` keeps its previous value (gradient accumulation) and the clipped sum is added on top.
+
+Both are active only while the hooks are (``disable_hooks()`` restores plain autograd).
+
+Per-layer clipping is supported (``max_grad_norm`` a list, one norm per trainable parameter): the
+factors are applied parameter by parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .conv import _padded_input
+from .grad_sample_module import module_batch_first
+from .grad_sample_module_fast_gradient_clipping import (
+    GradSampleModuleFastGradientClipping,
+    clip_factors,
+    clip_norm_list,
+    total_clip_norm,
+)
+from .norm_samplers import CLIPPED_SUM_FNS, generic_clipped_sum, prefer_ghost
+from .unit_params import trainable_units, unit_parameters
+from .utils import register_grad_sample_mode
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- no-weight-grad ops
+class _LinearInputGradOnly(torch.autograd.Function):
+    """``F.linear(x, w, b)`` whose backward returns only ``∂L/∂x = G w``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        (weight,) = ctx.saved_tensors
+        gx = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[0] else None
+        return gx, None, None
+
+
+class _ConvInputGradOnly(torch.autograd.Function):
+    """A zero-padded convolution whose backward returns only the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
+        ctx.save_for_backward(x, weight)
+        ctx.conf = (stride, padding, dilation, groups)
+        n = weight.dim() - 2
+        conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
+        return conv(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conf
+        n = weight.dim() - 2
+        gx, _, _ = torch.ops.aten.convolution_backward(
+            g, x, weight, None, list(stride), list(padding), list(dilation), False, [0] * n,
+            groups, [True, False, False],
+        )
+        return gx, None, None, None, None, None, None
+
+
+class _EmbeddingNoGrad(torch.autograd.Function):
+    """``F.embedding`` whose backward computes nothing (indices have no gradient)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+        return F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None,) * 7
+
+
+def _linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _LinearInputGradOnly.apply(x, layer.weight, layer.bias)
+
+
+def _conv_forward(layer: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
+    x, padding = _padded_input(layer, x)
+    n = len(layer.kernel_size)
+    padding = (padding,) * n if isinstance(padding, int) else tuple(padding)
+    return _ConvInputGradOnly.apply(
+        x, layer.weight, layer.bias, layer.stride, padding, layer.dilation, layer.groups
+    )
+
+
+def _embedding_forward(layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    return _EmbeddingNoGrad.apply(
+        ids, layer.weight, layer.padding_idx, layer.max_norm, layer.norm_type,
+        layer.scale_grad_by_freq, layer.sparse,
+    )
+
+
+#: base type -> forward without weight gradients (used for subclasses keeping the base forward)
+_NO_WEIGHT_GRAD_FORWARDS = {
+    nn.Linear: _linear_forward,
+    nn.Conv1d: _conv_forward,
+    nn.Conv2d: _conv_forward,
+    nn.Conv3d: _conv_forward,
+    nn.Embedding: _embedding_forward,
+}
+
+
+def _no_weight_grad_forward(module: nn.Module):
+    for base, fn in _NO_WEIGHT_GRAD_FORWARDS.items():
+        if isinstance(module, base) and type(module).forward is base.forward:
+            return fn
+    return None
+
+
+# ----------------------------------------------------------------------------- the module
+class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
+    """One-backward-pass DP clipping: after ``loss.backward()``, ``p.grad`` holds (on top of its
+    previous value) the clipped sum ``Σ_b c_b ∇_p loss_b`` of the batch, and
+    ``per_sample_gradient_norms`` the per-sample norms.
+
+    Args: as :class:`GradSampleModuleFastGradientClipping`; ``max_grad_norm`` may be a list with
+    one norm per trainable parameter (per-layer clipping). It must match the optimizer's.
+    """
+
+    def __init__(self, m: nn.Module, **kwargs):
+        self._bk_handles: list = []
+        self._bk_overridden: list[nn.Module] = []
+        super().__init__(m, **kwargs)
+        self._keep_output_edges = False  # no norm pass: one ordinary backward
+        self._records: list[tuple[nn.Module, list, torch.Tensor, dict | None]] = []
+        self._install_bk()
+
+    def _check_max_grad_norm(self, value) -> None:
+        if isinstance(value, (list, tuple)):
+            clip_norm_list(value, len(self.trainable_parameters()))
+            for c in value:
+                super()._check_max_grad_norm(c)
+            return
+        super()._check_max_grad_norm(value)
+
+    # ------------------------------------------------------------------ install / remove
+    def _install_bk(self) -> None:
+        for _, module in trainable_units(self._module):
+            fn = _no_weight_grad_forward(module)
+            if fn is not None:
+                module.forward = partial(self._bk_forward, module, fn, type(module).forward)
+                self._bk_overridden.append(module)
+            # fires only where autograd does compute the parameter's gradient
+            for _, p in unit_parameters(module):
+                if p.requires_grad:
+                    self._bk_handles.append(p.register_hook(self._zero_autograd_grad))
+
+    def _close(self) -> None:
+        super()._close()
+        for h in self._bk_handles:
+            h.remove()
+        self._bk_handles = []
+        for module in self._bk_overridden:
+            if "forward" in module.__dict__:
+                del module.forward
+        self._bk_overridden = []
+
+    def _active(self) -> bool:
+        return self.hooks_enabled and self.backward_hooks_enabled and not self._in_functorch
+
+    def _bk_forward(self, module, fn, original, *args, **kwargs):
+        if (
+            self._active()
+            and self.forward_hooks_enabled
+            and module.training
+            and torch.is_grad_enabled()
+            and not kwargs
+            and len(args) == 1
+        ):
+            return fn(module, *args)
+        return original(module, *args, **kwargs)
+
+    def _zero_autograd_grad(self, grad: torch.Tensor):
+        """Tensor hook of parameters whose layer runs through plain autograd: their unclipped
+        batch gradient is replaced by zeros (the clipped sum is added at the end of the pass)."""
+        if grad is not None and self._active():
+            return torch.zeros_like(grad)
+        return None
+
+    # ------------------------------------------------------------------ capture
+    def _use_norm_sampler(self, module, activations, backprops) -> bool:
+        if not super()._use_norm_sampler(module, activations, backprops):
+            return False
+        if prefer_ghost(module, activations, backprops):
+            return True
+        # instantiation is cheaper: keep the per-sample gradient (it also gives the clipped sum
+        # by one weighted sum) unless it is larger than the (A, G) it replaces
+        size = sum(p.numel() for _, p in unit_parameters(module) if p.requires_grad)
+        kept = backprops.shape[0] * size
+        replaced = backprops.numel() + sum(
+            a.numel() for a in activations if isinstance(a, torch.Tensor)
+        )
+        return kept > replaced
+
+    def _record_call(self, module, activations, backprops, kwargs) -> None:
+        self._records.append((module, activations, backprops, kwargs))
+
+    def _keep_instantiated(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ clipped sums
+    def _after_norms(self, norm_sq) -> None:
+        records, self._records = self._records, []
+        params = self.trainable_parameters()
+        limits = clip_norm_list(self.max_grad_norm, len(params))
+        per_layer = isinstance(self.max_grad_norm, (list, tuple))
+        b = self.per_sample_gradient_norms.shape[0]
+        if per_layer:
+            sq = {id(p): s for p, s in norm_sq}
+            coef = {
+                id(p): clip_factors(sq[id(p)].sqrt(), c)
+                for p, c in zip(params, limits)
+                if id(p) in sq
+            }
+        else:
+            flat = clip_factors(self.per_sample_gradient_norms, limits[0] if limits else 1.0)
+            coef = {id(p): flat for p, _ in norm_sq}
+        sums: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+
+        def add(p, g):
+            prev = sums.get(id(p))
+            sums[id(p)] = (p, g if prev is None else prev[1] + g)
+
+        for p in [p for p, _ in norm_sq]:
+            gs = getattr(p, "_current_grad_sample", None)
+            if gs is not None:
+                c = coef[id(p)][: gs.shape[0]].to(gs.dtype)
+                add(p, torch.tensordot(c, gs, dims=1))
+                del p._current_grad_sample
+        for module, activations, backprops, kwargs in records:
+            for p, g in self._clipped_sum(module, activations, backprops, kwargs, coef, b).items():
+                add(p, g)
+        for p, g in sums.values():
+            g = g.to(p.dtype).view_as(p)
+            p.grad = g if p.grad is None else p.grad + g
+        self.mark_clipped_pass()
+
+    def _clipped_sum(self, module, activations, backprops, kwargs, coef, b) -> dict:
+        """``{p: Σ_b c_b ∇_p loss_b}`` of one recorded call, from ``(A, c ⊙ G)``."""
+        params = [p for _, p in unit_parameters(module) if p.requires_grad]
+        groups: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
+        for p in params:  # parameters sharing a factor tensor are summed in one call
+            c = coef.get(id(p))
+            if c is None:
+                continue
+            for gc, ps in groups:
+                if gc is c:
+                    ps.append(p)
+                    break
+            else:
+                groups.append((c, [p]))
+        out = {}
+        fn = CLIPPED_SUM_FNS.get(type(module))
+        for c, ps in groups:
+            c = c[: backprops.shape[0]].to(backprops.dtype)
+            scaled = backprops * c.view(-1, *([1] * (backprops.dim() - 1)))
+            if fn is not None:
+                res = fn(module, activations, scaled)
+            else:
+                self._in_functorch = True
+                try:
+                    res = generic_clipped_sum(
+                        module, activations, scaled, kwargs,
+                        batch_first=module_batch_first(module, self.batch_first),
+                    )
+                finally:
+                    self._in_functorch = False
+            for p in ps:
+                if p in res:
+                    out[p] = res[p]
+        return out
+
+    @property
+    def total_max_grad_norm(self) -> float:
+        """The sensitivity of the clipped sum: ``C``, or ``sqrt(Σ C_i²)`` per layer."""
+        return total_clip_norm(self.max_grad_norm)
+
+
+register_grad_sample_mode("bk", GradSampleModuleBookKeeping)

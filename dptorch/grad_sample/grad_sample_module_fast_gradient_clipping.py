@@ -1,0 +1,312 @@
+"""Fast gradient clipping: per-sample gradient *norms* without per-sample gradients
+(``grad_sample_mode="ghost"``).
+
+:class:`GradSampleModuleFastGradientClipping` reuses the capture machinery of
+:class:`~dptorch.grad_sample.GradSampleModule` (forward hooks keep each call's inputs ``A``, tensor
+hooks deliver the output gradients ``G``) but turns ``(A, G)`` into squared per-sample norms
+``(B,)`` per parameter instead of ``(B, *p.shape)`` gradients:
+
+* a registered **norm sampler** (:mod:`dptorch.grad_sample.norm_samplers`: ghost norms by Gram
+  matrices for Linear/Conv, grouped indices for Embedding, cheap instantiation for the norm
+  layers), when the layer's parameters are used by this one call only;
+* otherwise **instantiation**: the per-sample gradient of every call is computed (grad sampler
+  or ``torch.func``), summed over the calls of the pass (recurrent use, tied parameters: the
+  per-sample gradient is the *sum* over calls, whose norm is not the sum of the calls' norms),
+  and reduced to its norm at the end of the backward pass. This is always exact.
+
+How many calls touch a parameter is counted in the forward hooks; over-counting (a forward
+without backward) only makes the result take the (exact) instantiation path.
+
+The clipped update needs a second backward pass of ``Σ_b c_b · loss_b`` with the clip factors
+``c_b = min(1, C / (‖g_b‖ + 1e-6))`` (hooks off): :class:`~dptorch.utils.fast_gradient_clipping_utils.DPLossFastGradientClipping`
+packages both passes in ``loss.backward()``. The first pass differentiates only with respect
+to the layers' outputs (``torch.autograd.grad(loss, outputs)``), so autograd skips every weight
+gradient there and ``p.grad`` is untouched: gradient accumulation over several physical batches
+composes. The book-keeping mode (``"bk"``, one backward pass) is the subclass in
+:mod:`dptorch.grad_sample.grad_sample_module_bk`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from .grad_sample_module import GradSampleModule, _first_tensor
+from .registry import NORM_SAMPLERS
+from .unit_params import unit_parameters
+from .utils import register_grad_sample_mode
+
+logger = logging.getLogger(__name__)
+
+#: attribute counting the clipped backward passes accumulated in ``p.grad`` since the last step;
+#: set by the fast-clipping modules, consumed by ``DPOptimizerFastGradientClipping``.
+FAST_PASSES_ATTR = "_dp_fast_passes"
+_NORM_ATTRS = ("_norm_sample", FAST_PASSES_ATTR, "_current_grad_sample")
+
+
+def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """``min(1, C / (norm + 1e-6))``, the flat-clipping factor of ``DPOptimizer``."""
+    from ..optimizers.optimizer import CLIP_EPS  # lazy: optimizers import grad_sample
+
+    return (max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+
+
+def _pad_to(t: torch.Tensor, n: int) -> torch.Tensor:
+    if t.shape[0] >= n:
+        return t
+    return torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))])
+
+
+class GradSampleModuleFastGradientClipping(GradSampleModule):
+    """Computes per-sample gradient norms (``per_sample_gradient_norms``, ``(B,)``) with ghost
+    norms where possible (Opacus-compatible ``grad_sample_mode="ghost"``).
+
+    Args:
+        m: the module to wrap.
+        batch_first, loss_reduction, strict, force_functorch: as :class:`GradSampleModule`.
+        max_grad_norm: C, used by :meth:`get_clipping_coef` (keep equal to the optimizer's; the
+            loss wrapper synchronises it at every call).
+        use_ghost_clipping: ``False`` instantiates every layer's per-sample gradient (Opacus's
+            "fast gradient clipping"); ``True`` uses the norm samplers where they apply.
+
+    After a backward pass: ``p._norm_sample`` ``(B,)`` per parameter and
+    ``per_sample_gradient_norms`` ``(B,)`` over all parameters. ``p.grad_sample`` is never set.
+    """
+
+    def __init__(
+        self,
+        m: nn.Module,
+        *,
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
+        strict: bool = True,
+        force_functorch: bool = False,
+        max_grad_norm: float | Sequence[float] = 1,
+        use_ghost_clipping: bool = True,
+    ):
+        super().__init__(
+            m,
+            batch_first=batch_first,
+            loss_reduction=loss_reduction,
+            strict=strict,
+            force_functorch=force_functorch,
+        )
+        self.use_ghost_clipping = use_ghost_clipping
+        self._norm_sq: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._call_counts: dict[int, int] = {}
+        self._outputs: list[GradientEdge] = []
+        self._per_sample_gradient_norms: torch.Tensor | None = None
+        self._keep_output_edges = True
+        self.max_grad_norm = max_grad_norm
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def max_grad_norm(self) -> float | list[float]:
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value) -> None:
+        self._check_max_grad_norm(value)
+        self._max_grad_norm = value
+
+    def _check_max_grad_norm(self, value) -> None:
+        if isinstance(value, (list, tuple)):
+            raise ValueError(
+                "Per-layer clipping (a list of max_grad_norm) is impossible with "
+                "grad_sample_mode='ghost': its second backward pass weights each sample's loss by "
+                "one factor shared by all layers. Use grad_sample_mode='bk' (per-layer clip "
+                "factors are applied layer by layer) or 'hooks'."
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {value!r}")
+
+    @property
+    def per_sample_gradient_norms(self) -> torch.Tensor:
+        """L2 norm over all trainable parameters of each sample's gradient in the last backward
+        pass, ``(B,)``."""
+        if self._per_sample_gradient_norms is None:
+            raise AttributeError(
+                "per_sample_gradient_norms is only available after a backward pass"
+            )
+        return self._per_sample_gradient_norms
+
+    @per_sample_gradient_norms.setter
+    def per_sample_gradient_norms(self, value: torch.Tensor | None) -> None:
+        self._per_sample_gradient_norms = value
+
+    def get_norm_sample(self) -> torch.Tensor:
+        """Alias of :attr:`per_sample_gradient_norms` (Opacus name)."""
+        return self.per_sample_gradient_norms
+
+    def get_clipping_coef(self) -> torch.Tensor:
+        """Flat clip factors ``min(1, C / (‖g_b‖ + 1e-6))`` of the last backward pass, ``(B,)``."""
+        return clip_factors(self.per_sample_gradient_norms, self.max_grad_norm)
+
+    def del_grad_sample(self) -> None:
+        super().del_grad_sample()
+        self._outputs = []
+        for p in self.parameters():
+            for attr in _NORM_ATTRS:
+                if hasattr(p, attr):
+                    delattr(p, attr)
+
+    def _close(self) -> None:
+        super()._close()
+        self._outputs.clear()
+        self._call_counts.clear()
+
+    # ------------------------------------------------------------------ capture
+    def capture_activations_hook(
+        self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None
+    ) -> None:
+        """As :class:`GradSampleModule`, and counts the calls touching each parameter and keeps the
+        output's gradient edge (a target of the norm pass, :meth:`norm_backward`; released at the
+        end of the next backward pass or by ``zero_grad``)."""
+        super().capture_activations_hook(module, forward_input, _forward_output, forward_kwargs)
+        out = _first_tensor(_forward_output)
+        if (
+            out is None
+            or not out.requires_grad
+            or not self.hooks_enabled
+            or not self.forward_hooks_enabled
+            or self._in_functorch
+            or not module.training
+            or not torch.is_grad_enabled()
+        ):
+            return
+        for _, p in unit_parameters(module):
+            if p.requires_grad:
+                self._call_counts[id(p)] = self._call_counts.get(id(p), 0) + 1
+        if self._keep_output_edges:
+            self._outputs.append(get_gradient_edge(out))
+
+    def capture_backprops_hook(
+        self,
+        module: nn.Module,
+        _forward_input,
+        forward_output,
+        loss_reduction: str,
+        batch_first: bool,
+        forward_kwargs: dict | None = None,
+    ) -> None:
+        """Adds this call's squared per-sample norms (norm sampler) or per-sample gradients
+        (instantiation, summed over calls) to the pass's state."""
+        backprops = _first_tensor(forward_output)
+        activations, backprops = self.rearrange_grad_samples(
+            module=module,
+            backprops=backprops,
+            loss_reduction=loss_reduction,
+            batch_first=batch_first,
+            activations=_forward_input,
+        )
+        n = getattr(module, "max_batch_len", None) or backprops.shape[0]
+        if self._use_norm_sampler(module, activations, backprops):
+            for p, sq in NORM_SAMPLERS[type(module)](module, activations, backprops).items():
+                self._add_norm_sq(p, _pad_to(sq, n))
+            self._record_call(module, activations, backprops, forward_kwargs)
+        else:
+            grad_samples = self._compute_grad_samples(module, activations, backprops, forward_kwargs)
+            for p, gs in grad_samples.items():
+                self._accumulate_current(p, gs, n)
+        self._queue_end_of_backward()
+
+    def _single_call(self, module: nn.Module) -> bool:
+        """Whether every trainable parameter of ``module`` was used by exactly one call."""
+        return all(
+            self._call_counts.get(id(p), 0) <= 1 for _, p in unit_parameters(module) if p.requires_grad
+        )
+
+    def _use_norm_sampler(self, module: nn.Module, activations, backprops) -> bool:
+        return (
+            self.use_ghost_clipping
+            and not self.force_functorch
+            and type(module) in NORM_SAMPLERS
+            and self._single_call(module)
+        )
+
+    def _record_call(self, module, activations, backprops, kwargs) -> None:
+        """Hook for subclasses that need the call's ``(A, G)`` after the norms (book-keeping)."""
+
+    def _add_norm_sq(self, p: nn.Parameter, sq: torch.Tensor) -> None:
+        prev = self._norm_sq.get(id(p))
+        if prev is not None:
+            m = max(prev[1].shape[0], sq.shape[0])
+            sq = _pad_to(prev[1], m) + _pad_to(sq, m)
+        self._norm_sq[id(p)] = (p, sq)
+
+    # ------------------------------------------------------------------ end of the pass
+    def _end_of_backward(self) -> None:
+        """Reduces instantiated per-sample gradients to norms and publishes the norms."""
+        self._callback_queued = False
+        pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            gs = p._current_grad_sample
+            self._add_norm_sq(p, gs.pow(2).sum(tuple(range(1, gs.dim()))))
+            if not self._keep_instantiated():
+                del p._current_grad_sample
+        norm_sq, self._norm_sq = list(self._norm_sq.values()), {}
+        self._call_counts.clear()
+        self._outputs.clear()
+        self._publish_norms(norm_sq)
+        self._after_norms(norm_sq)
+
+    def _keep_instantiated(self) -> bool:
+        return False
+
+    def _after_norms(self, norm_sq: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Hook for subclasses: runs at the end of every backward pass, after the norms."""
+
+    def _publish_norms(self, norm_sq: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        b = max((sq.shape[0] for _, sq in norm_sq), default=0)
+        total = None
+        for p, sq in norm_sq:
+            sq = _pad_to(sq, b)
+            p._norm_sample = sq.sqrt()
+            total = sq if total is None else total + sq
+        if total is None:
+            ref = next(iter(self.trainable_parameters()), None)
+            total = torch.zeros(0) if ref is None else ref.new_zeros(0)
+        self.per_sample_gradient_norms = total.sqrt()
+
+    # ------------------------------------------------------------------ the norm pass
+    def norm_backward(self, loss: torch.Tensor) -> None:
+        """First pass of ghost clipping: back-propagates ``loss`` (keeping the graph) only as far
+        as the hooked layers' outputs (their gradient edges), which fires the hooks (norms)
+        without computing any weight gradient or touching ``p.grad``."""
+        targets, self._outputs = self._outputs, []
+        if not targets or not loss.requires_grad:
+            return
+        torch.autograd.grad(loss, targets, retain_graph=True, allow_unused=True)
+
+    def mark_clipped_pass(self) -> None:
+        """Records on every trainable parameter that ``p.grad`` now holds one more clipped sum
+        (read by ``DPOptimizerFastGradientClipping``: accumulated iterations, step guard)."""
+        for p in self.trainable_parameters():
+            setattr(p, FAST_PASSES_ATTR, getattr(p, FAST_PASSES_ATTR, 0) + 1)
+
+
+def clip_norm_list(max_grad_norm, n: int) -> list[float]:
+    """``max_grad_norm`` as one float per trainable parameter (a float is repeated)."""
+    if isinstance(max_grad_norm, (list, tuple)):
+        if len(max_grad_norm) != n:
+            raise ValueError(
+                f"max_grad_norm has {len(max_grad_norm)} entries but the module has {n} trainable "
+                "parameters; give one clipping norm per parameter."
+            )
+        return [float(c) for c in max_grad_norm]
+    return [float(max_grad_norm)] * n
+
+
+def total_clip_norm(max_grad_norm) -> float:
+    """The sensitivity of per-layer clipping: ``sqrt(Σ C_i²)`` (``C`` for a float)."""
+    if isinstance(max_grad_norm, (list, tuple)):
+        return math.sqrt(sum(float(c) ** 2 for c in max_grad_norm))
+    return float(max_grad_norm)
+
+
+register_grad_sample_mode("ghost", GradSampleModuleFastGradientClipping)

@@ -1,0 +1,44 @@
+"""Per-sample gradients of ``nn.InstanceNorm1d`` / ``2d`` / ``3d`` with ``affine=True``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .group_norm import per_channel_affine_grad_sample
+from .registry import register_grad_sampler
+
+
+@register_grad_sampler([nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d])
+def compute_instance_norm_grad_sample(
+    layer: nn.modules.instancenorm._InstanceNorm,
+    activations: Sequence[torch.Tensor],
+    backprops: torch.Tensor,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``InstanceNorm`` (statistics per sample and channel).
+
+    Hooks only run in training mode, where the input's own statistics are used even with
+    ``track_running_stats=True``, so the running buffers never enter the gradient.
+
+    Args:
+        activations: ``[x]`` with ``x`` of shape ``(B, C, *spatial)``.
+        backprops: same shape as ``x``.
+
+    Returns:
+        ``weight``, ``bias``: ``(B, C)``.
+    """
+    if not layer.affine:
+        return {}
+    x = activations[0]
+    if x.dim() != layer._get_no_batch_dim() + 1:
+        raise ValueError(
+            f"{type(layer).__name__} per-sample gradients need a batched input (B, C, *spatial), "
+            f"got shape {tuple(x.shape)}"
+        )
+    x_hat = None
+    if layer.weight.requires_grad:
+        x_hat = F.instance_norm(x, eps=layer.eps)
+    return per_channel_affine_grad_sample(layer.weight, layer.bias, x_hat, backprops)

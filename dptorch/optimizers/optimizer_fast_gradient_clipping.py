@@ -1,0 +1,142 @@
+"""DP optimizers for the fast-clipping modes (``grad_sample_mode="ghost"`` and ``"bk"``).
+
+In those modes the module computes per-sample gradient *norms* and the backward pass leaves the
+clipped sum ``Σ_b c_b ∇ loss_b`` in ``p.grad`` (ghost: second backward pass of the loss wrapper;
+bk: end of the single backward pass), adding to what ``p.grad`` already held. The module marks
+every trainable parameter with the number of clipped passes accumulated since the last step.
+
+Only the first DP-SGD stage differs from :class:`DPOptimizer`: :meth:`clip_and_accumulate`
+moves the clipped sum from ``p.grad`` to ``p.summed_grad``. Noise, scaling, skip-steps
+(``BatchMemoryManager``), step hooks and the accumulated-iterations count are the base class's,
+so gradient accumulation over physical batches works (Opacus's ghost optimizer hard-codes one
+iteration).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..grad_sample.grad_sample_module_fast_gradient_clipping import FAST_PASSES_ATTR
+from .ddpoptimizer import DistributedDPOptimizerMixin
+from .optimizer import DPOptimizer
+from .perlayeroptimizer import DPPerLayerOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+class DPOptimizerFastGradientClipping(DPOptimizer):
+    """:class:`DPOptimizer` whose clipped per-sample sum comes from ``p.grad`` (ghost / bk).
+
+    Args: those of :class:`DPOptimizer`; multi-pass options (``accum_passes``,
+    ``num_private_passes``, manual clipping) are not supported: their per-pass clipping needs
+    per-sample gradients, use ``grad_sample_mode="hooks"``.
+    """
+
+    def __init__(self, optimizer, *, noise_multiplier, max_grad_norm, expected_batch_size,
+                 loss_reduction: str = "mean", generator=None, secure_mode: bool = False,
+                 **kwargs):
+        for k in ("accum_passes", "num_private_passes"):
+            if kwargs.get(k) is not None:
+                raise ValueError(
+                    f"{k} (multi-pass clipping) is not supported by the fast-clipping optimizers "
+                    "(grad_sample_mode 'ghost'/'bk'); use grad_sample_mode='hooks'."
+                )
+        if kwargs.get("auto_clip_and_accum_on_step", True) is False:
+            raise ValueError(
+                "auto_clip_and_accum_on_step=False needs per-sample gradients; use "
+                "grad_sample_mode='hooks'."
+            )
+        super().__init__(
+            optimizer,
+            noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            expected_batch_size=expected_batch_size,
+            loss_reduction=loss_reduction,
+            generator=generator,
+            secure_mode=secure_mode,
+            **kwargs,
+        )
+        self._fast_iterations = 1
+
+    @property
+    def accumulated_iterations(self) -> int:
+        """Clipped backward passes accumulated into ``p.grad`` before the last
+        :meth:`clip_and_accumulate` (1 without accumulation)."""
+        return self._fast_iterations
+
+    def per_sample_norms(self, unit_grads=None) -> torch.Tensor:
+        """Per-sample gradient norms of the last backward pass from the module's norm samplers,
+        ``(1, B)`` (one pass)."""
+        sq = [p._norm_sample.pow(2) for p in self.params if hasattr(p, "_norm_sample")]
+        if not sq:
+            return torch.zeros(1, 0)
+        b = max(s.shape[0] for s in sq)
+        total = sum(torch.nn.functional.pad(s, (0, b - s.shape[0])) for s in sq)
+        return total.sqrt().unsqueeze(0)
+
+    def clip_and_accumulate(self) -> None:
+        """``p.summed_grad += p.grad`` (the clipped sum left by the backward pass(es))."""
+        counts = set()
+        for p in self.params:
+            passes = getattr(p, FAST_PASSES_ATTR, None)
+            if passes is None:
+                if p.grad is not None:
+                    raise ValueError(
+                        "A parameter has a gradient that no fast-clipping backward pass produced: "
+                        "with grad_sample_mode='ghost' call backward() on the loss returned by "
+                        "DPLossFastGradientClipping (a plain loss.backward() gives unclipped "
+                        "gradients); in any mode call optimizer.zero_grad() after every step."
+                    )
+                continue
+            counts.add(passes)
+            g = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            self._add_to_summed_grad(p, g)
+            delattr(p, FAST_PASSES_ATTR)
+        if len(counts) > 1:
+            raise ValueError(
+                "Parameters accumulated different numbers of backward passes; call "
+                "optimizer.zero_grad() before each logical batch."
+            )
+        self._fast_iterations = counts.pop() if counts else 1
+
+    def _manual_unsupported(self, *_, **__):
+        raise NotImplementedError(
+            "Manual clipping stages need per-sample gradients, which the fast-clipping modes do "
+            "not materialise; use grad_sample_mode='hooks'."
+        )
+
+    clip = _manual_unsupported
+    accumulate_batch = _manual_unsupported
+    accum_grads_across_passes = _manual_unsupported
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As :meth:`DPOptimizer.zero_grad`, also forgetting the fast-clipping pass markers."""
+        for p in self.params:
+            if p.grad is not None and p.grad is p.summed_grad:  # never zero the kept sum in place
+                p.grad = None
+            for attr in (FAST_PASSES_ATTR, "_norm_sample"):
+                if hasattr(p, attr):
+                    delattr(p, attr)
+        super().zero_grad(set_to_none)
+
+
+class DPPerLayerOptimizerFastGradientClipping(DPOptimizerFastGradientClipping, DPPerLayerOptimizer):
+    """Per-layer clipping with ``grad_sample_mode="bk"`` (the module applies one clip factor per
+    parameter; ``max_grad_norm`` is the list of per-parameter norms, the noise is calibrated to
+    ``sqrt(Σ C_i²)``). Not available with ``"ghost"``, whose second backward pass can only weight
+    a sample's whole loss."""
+
+
+class DistributedDPOptimizerFastGradientClipping(
+    DistributedDPOptimizerMixin, DPOptimizerFastGradientClipping
+):
+    """:class:`DPOptimizerFastGradientClipping` over ``torch.distributed``: local clipped sums,
+    noise drawn once on rank 0, all-reduce (see :class:`DistributedDPOptimizerMixin`)."""
+
+
+class DistributedDPPerLayerOptimizerFastGradientClipping(
+    DistributedDPOptimizerMixin, DPPerLayerOptimizerFastGradientClipping
+):
+    """Distributed per-layer clipping for ``grad_sample_mode="bk"``."""

@@ -1,0 +1,145 @@
+"""Poisson sampling over a data set split across ``torch.distributed`` ranks.
+
+Re-exported by :mod:`dptorch.utils.uniform_sampler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from .randomness import secure_uniform
+
+_SEED_BOUND = 2**63 - 1
+
+
+def _rank_generator(generator: torch.Generator | None, rank: int) -> torch.Generator:
+    """A generator private to ``rank``, seeded from one draw of ``generator`` (or of torch's global
+    RNG) mixed with the rank, so that ranks seeded alike still draw independent batches."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    base = int(torch.randint(_SEED_BOUND, (1,), generator=generator, device=device).item())
+    seed = int(np.random.SeedSequence([base, rank]).generate_state(1, np.uint64)[0]) >> 1
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
+    """Batch sampler for distributed DP training: Poisson sampling of the whole data set, each
+    rank sampling its own shard.
+
+    The ``total_size`` indices are split into ``num_replicas`` disjoint shards (rank ``r`` gets
+    positions ``r, r + W, r + 2W, ...`` of a permutation shared by all ranks, reshuffled every
+    epoch with seed ``shuffle_seed + epoch`` when ``shuffle``). At every step each rank keeps each
+    index of its shard independently with probability ``sample_rate``, so every record of the data
+    set is in the global batch with probability ``q`` (exactly once, on the rank owning it), as the
+    privacy accounting assumes. A local batch may be empty; it is still yielded (as ``[]``) so that
+    all ranks run the same number of steps.
+
+    Each rank's draws come from its own generator, seeded from one draw of ``generator`` (or of
+    torch's global RNG when ``None``) mixed with the rank: identically seeded ranks do not draw
+    identical (correlated) masks. With ``secure_mode`` they come from the OS CSPRNG.
+
+    Args:
+        total_size: size of the whole data set.
+        sample_rate: ``q``, the probability that a record is in a step's batch.
+        shuffle: reshuffle the shard assignment every epoch.
+        shuffle_seed: seed of the shard permutation (must be the same on every rank).
+        generator: source of the sampling seed (see above).
+        steps: steps per epoch (default ``1 / sample_rate``).
+        num_replicas, rank: world size and rank (default: from ``torch.distributed``).
+        secure_mode: draw the inclusion variables from the OS CSPRNG (no generator allowed).
+    """
+
+    def __init__(
+        self,
+        *,
+        total_size: int,
+        sample_rate: float,
+        shuffle: bool = True,
+        shuffle_seed: int = 0,
+        generator: torch.Generator | None = None,
+        steps: int | None = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        secure_mode: bool = False,
+    ):
+        # imported here: uniform_sampler re-exports this class at its end
+        from .uniform_sampler import steps_for_sample_rate, validate_sample_rate
+
+        if isinstance(total_size, bool) or not isinstance(total_size, int) or total_size <= 0:
+            raise ValueError(f"total_size must be a positive integer, got {total_size!r}")
+        validate_sample_rate(sample_rate)
+        if secure_mode and generator is not None:
+            raise ValueError(
+                "secure_mode draws batches from the OS CSPRNG and cannot take a seeded generator; "
+                "pass generator=None."
+            )
+        if num_replicas is None or rank is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    "DistributedUniformWithReplacementSampler needs torch.distributed to be "
+                    "initialised, or explicit num_replicas and rank."
+                )
+            num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+            rank = dist.get_rank() if rank is None else rank
+        if not (0 <= rank < num_replicas):
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        if steps is not None and (not isinstance(steps, int) or steps <= 0):
+            raise ValueError(f"steps must be a positive integer or None, got {steps!r}")
+        self.total_size = total_size
+        self.sample_rate = sample_rate
+        self.shuffle = shuffle
+        self.shuffle_seed = shuffle_seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+        self.secure_mode = secure_mode
+        self.generator = generator
+        self.num_samples = len(range(rank, total_size, num_replicas))
+        self.steps = steps if steps is not None else steps_for_sample_rate(sample_rate)
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator this rank's sampling seed was drawn from; setting it re-seeds."""
+        return self._generator
+
+    @generator.setter
+    def generator(self, generator: torch.Generator | None) -> None:
+        self._generator = generator
+        self.rank_generator = None if self.secure_mode else _rank_generator(generator, self.rank)
+
+    def shard(self) -> torch.Tensor:
+        """This rank's indices for the current epoch."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.shuffle_seed + self.epoch)
+            indices = torch.randperm(self.total_size, generator=g)
+        else:
+            indices = torch.arange(self.total_size)
+        return indices[self.rank :: self.num_replicas]
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def sample_mask(self) -> torch.Tensor:
+        """One step's inclusion mask over this rank's shard (independent Bernoulli(q))."""
+        if self.secure_mode:
+            u = secure_uniform((self.num_samples,))
+        else:
+            u = torch.rand(self.num_samples, generator=self.rank_generator, dtype=torch.float64)
+        return u < self.sample_rate
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = self.shard()
+        for _ in range(self.steps):
+            yield indices[self.sample_mask()].tolist()
+        self.epoch += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch that seeds the shard permutation (call it on every rank)."""
+        self.epoch = epoch

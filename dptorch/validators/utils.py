@@ -1,0 +1,45 @@
+"""Decorators registering user validation / fixing rules with :class:`ModuleValidator`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def _targets(target_class_or_classes) -> list[type]:
+    if isinstance(target_class_or_classes, type):
+        return [target_class_or_classes]
+    return list(target_class_or_classes)
+
+
+def register_module_validator(
+    target_class_or_classes: type | Sequence[type], validator_class: type | None = None
+) -> Callable:
+    """Registers ``f(module) -> list[UnsupportedModuleError]`` as the rule for modules of exactly
+    the given type(s). ``validator_class`` defaults to :class:`ModuleValidator`."""
+    from .module_validator import ModuleValidator
+
+    table = (validator_class or ModuleValidator).VALIDATORS
+
+    def decorator(f: Callable) -> Callable:
+        for t in _targets(target_class_or_classes):
+            table[t] = f
+        return f
+
+    return decorator
+
+
+def register_module_fixer(
+    target_class_or_classes: type | Sequence[type], validator_class: type | None = None
+) -> Callable:
+    """Registers ``f(module, **kwargs) -> nn.Module`` returning the replacement of a module of
+    exactly the given type(s). ``validator_class`` defaults to :class:`ModuleValidator`."""
+    from .module_validator import ModuleValidator
+
+    table = (validator_class or ModuleValidator).FIXERS
+
+    def decorator(f: Callable) -> Callable:
+        for t in _targets(target_class_or_classes):
+            table[t] = f
+        return f
+
+    return decorator

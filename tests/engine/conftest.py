@@ -1,0 +1,5 @@
+"""Shared settings of the engine tests."""
+
+import logging
+
+logging.getLogger("dptorch").setLevel(logging.ERROR)
