@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import subprocess
-import time
 import warnings
 
 Q = 256 / 60000
@@ -73,8 +72,6 @@ def main() -> None:
         print("== opacus ==")
         for k, (v, t) in theirs.items() if "error" not in theirs else []:
             print(f"{k:45s} {v if isinstance(v, str) else f'{v:.4f}':>12s}  {t:8.3f} s")
-    t0 = time.perf_counter()
-    print(f"(total {time.perf_counter() - t0:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -129,11 +129,17 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run_calibrate)
 
 
+def _add_train_digits(subparsers: argparse._SubParsersAction) -> None:
+    from .scripts.train_digits import add_parser
+
+    add_parser(subparsers)
+
+
 #: subcommand name -> registrar adding its parser; add new subcommands here
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "privacy": _add_privacy,
     "calibrate": _add_calibrate,
-    # "train-digits": _add_train_digits,  (to be added by the examples part)
+    "train-digits": _add_train_digits,
 }
 
 

@@ -471,6 +471,8 @@ class PrivacyEngine:
             loss_reduction=loss_reduction,
             grad_sample_mode=grad_sample_mode,
             **({"multi_pass": True} if multi_pass else {}),
+            # fast clipping: the module applies the clip factors itself
+            **({"max_grad_norm": max_grad_norm} if grad_sample_mode in ("ghost", "bk") else {}),
         )
         if poisson_sampling and hasattr(gsm, "forbid_grad_accumulation"):
             gsm.forbid_grad_accumulation()
@@ -485,6 +487,13 @@ class PrivacyEngine:
             batch_first=batch_first,
         )
         self._attach_accountant(dp_optimizer, sample_rate)
+        if grad_sample_mode == "ghost":  # Opacus: (module, optimizer, criterion, data_loader)
+            from .utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+            if criterion is None:
+                criterion = nn.CrossEntropyLoss(reduction=loss_reduction)
+            dp_criterion = DPLossFastGradientClipping(gsm, dp_optimizer, criterion, loss_reduction)
+            return gsm, dp_optimizer, dp_criterion, dp_loader
         return gsm, dp_optimizer, dp_loader
 
     @staticmethod

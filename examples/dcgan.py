@@ -16,7 +16,7 @@ expected batch size), so neither its samples nor their number depend on the priv
 D are public at the start of the step); noise ``σ·C·1``. Tying that number to the real batch
 size would make the generated pass private too (``num_private_passes=2``).
 
-Run: ``python examples/dcgan.py --clipping split --epochs 5 --out samples.png``;
+Run: ``python examples/dcgan.py --clipping split --epochs 3 --out samples.png``;
 ``--steps 3`` stops after three discriminator steps (smoke test).
 """
 
@@ -106,7 +106,7 @@ def save_grid(images: torch.Tensor, path: str, nrow: int = 8) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clipping", choices=["basic", "split"], default="split")
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps", type=int, default=None, help="stop after this many D steps")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--sigma", type=float, default=1.0, help="noise multiplier")

@@ -264,3 +264,26 @@ def test_loss_wrapper_arithmetic():
     assert isinstance(loss.item(), float)
     with pytest.raises(TypeError):
         loss + torch.ones((), requires_grad=True)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+def test_make_private(mode):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dptorch.privacy_engine import PrivacyEngine
+
+    ds = TensorDataset(torch.randn(32, 5), torch.randint(0, 3, (32,)))
+    m = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    res = PrivacyEngine().make_private(
+        module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+        data_loader=DataLoader(ds, batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        grad_sample_mode=mode, criterion=nn.CrossEntropyLoss(),
+    )
+    assert len(res) == (4 if mode == "ghost" else 3)
+    gsm, opt = res[0], res[1]
+    crit = res[2] if mode == "ghost" else nn.CrossEntropyLoss()
+    for x, y in res[-1]:
+        opt.zero_grad()
+        crit(gsm(x), y).backward()
+        opt.step()
+    assert isinstance(opt, DPOptimizerFastGradientClipping)
