@@ -99,3 +99,56 @@ def _prod(xs: Sequence[int]) -> int:
     for v in xs:
         out *= int(v)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Opacus-compatible names (``opacus.utils.tensor_utils``)
+# ---------------------------------------------------------------------------------------------
+
+
+def sum_over_all_but_batch_and_last_n(tensor: torch.Tensor, n_dims: int) -> torch.Tensor:
+    """Opacus name of :func:`sum_over_all_but_batch_and_last_n_dims`."""
+    return sum_over_all_but_batch_and_last_n_dims(tensor, n_dims)
+
+
+def calc_sample_norms_one_layer(param: torch.Tensor) -> torch.Tensor:
+    """L2 norm of each sample of a per-sample tensor ``(B, *shape)``: returns ``(B,)``."""
+    return torch.linalg.vector_norm(param.reshape(param.shape[0], -1), ord=2, dim=1)
+
+
+def calc_sample_norms(named_params, *, flat: bool = True) -> list[torch.Tensor]:
+    """Per-sample L2 norms of ``(name, per_sample_tensor)`` pairs.
+
+    Returns one ``(B,)`` tensor per entry, or with ``flat=True`` a one-element list holding the
+    norm over all entries together (the per-sample norm of the whole gradient).
+    """
+    norms = [calc_sample_norms_one_layer(t) for _, t in named_params]
+    if flat and norms:
+        return [torch.linalg.vector_norm(torch.stack(norms, dim=0), ord=2, dim=0)]
+    return norms
+
+
+def filter_dilated_rows(
+    tensor: torch.Tensor,
+    dilation: Sequence[int],
+    dilated_kernel_size: Sequence[int],
+    kernel_size: Sequence[int],
+) -> torch.Tensor:
+    """Keeps the kernel taps of a dilated 3-d window, dropping the holes.
+
+    ``tensor``: ``(..., dks_0, dks_1, dks_2)`` windows of the dilated kernel extent
+    ``dks_i = (kernel_size_i - 1) * dilation_i + 1``; returns ``(..., k_0, k_1, k_2)``.
+    """
+    d = tuple(int(v) for v in dilation)
+    dks = tuple(int(v) for v in dilated_kernel_size)
+    k = tuple(int(v) for v in kernel_size)
+    n = len(k)
+    if tuple(tensor.shape[-n:]) != dks:
+        raise ValueError(f"expected trailing dims {dks}, got {tuple(tensor.shape[-n:])}")
+    for i in range(n):
+        if (k[i] - 1) * d[i] + 1 != dks[i]:
+            raise ValueError(
+                f"dilated_kernel_size {dks} does not match kernel_size {k} with dilation {d}"
+            )
+    index = (Ellipsis, *(slice(None, None, di) for di in d))
+    return tensor[index]
