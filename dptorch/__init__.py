@@ -1,9 +1,10 @@
 """dptorch: differentially private deep learning for PyTorch (Opacus-compatible API)."""
 
-from .grad_sample import GradSampleModule
+from . import utils
+from .grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
 from .version import __version__
 
-__all__ = ["GradSampleModule", "__version__"]
+__all__ = ["GradSampleModule", "GradSampleModuleFastGradientClipping", "utils", "__version__"]
 
 try:  # the engine imports the whole stack; keep the per-sample-gradient core importable alone
     from .privacy_engine import PrivacyEngine  # noqa: F401

@@ -150,7 +150,9 @@ def describe_module(module: Any) -> dict[str, Any]:
         if name.startswith("_") and not (exported and name in exported):
             continue
         listed = bool(exported) and name in exported
-        defined_here = getattr(obj, "__module__", None) == modname if not inspect.ismodule(obj) else False
+        defined_here = (
+            getattr(obj, "__module__", None) == modname if not inspect.ismodule(obj) else False
+        )
         if not (listed or defined_here or (name in assigned and not inspect.ismodule(obj))):
             continue
         if isinstance(obj, logging.Logger) and not listed:
@@ -176,7 +178,10 @@ def dump(out: Path) -> None:
     modules: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     names = [SOURCE_PKG] + [
-        m.name for m in pkgutil.walk_packages(pkg.__path__, prefix=SOURCE_PKG + ".", onerror=lambda n: None)
+        m.name
+        for m in pkgutil.walk_packages(
+            pkg.__path__, prefix=SOURCE_PKG + ".", onerror=lambda n: None
+        )
     ]
     for name in sorted(set(names)):
         if any(part in SKIP_PARTS for part in name.split(".")):
@@ -232,7 +237,9 @@ def compare_params(
     for p in expected:
         if p["kind"] in ("var_positional", "var_keyword"):
             if not any(q["kind"] == p["kind"] for q in actual):
-                problems.append(f"missing {'*' if p['kind'] == 'var_positional' else '**'}{p['name']}")
+                problems.append(
+                    f"missing {'*' if p['kind'] == 'var_positional' else '**'}{p['name']}"
+                )
             continue
         q = act.get(p["name"])
         if q is None:
@@ -249,8 +256,12 @@ def compare_params(
             pass  # optional where Opacus requires: every call still works
         elif "default" in p and p["default"] != q["default"]:
             problems.append(f"{p['name']!r}: default {q['default']} (expected {p['default']})")
-    exp_pos = [p["name"] for p in expected if p["kind"] in ("positional_only", "positional_or_keyword")]
-    act_pos = [p["name"] for p in actual if p["kind"] in ("positional_only", "positional_or_keyword")]
+    exp_pos = [
+        p["name"] for p in expected if p["kind"] in ("positional_only", "positional_or_keyword")
+    ]
+    act_pos = [
+        p["name"] for p in actual if p["kind"] in ("positional_only", "positional_or_keyword")
+    ]
     common = [n for n in act_pos if n in exp_pos]
     if common != [n for n in exp_pos if n in act_pos]:
         problems.append(f"positional order {act_pos} (expected {exp_pos})")
@@ -276,7 +287,14 @@ def _resolve(target_mod: Any, name: str) -> tuple[bool, Any]:
 def check(api: dict[str, Any], only: list[str] | None = None) -> tuple[list[str], dict[str, int]]:
     """Compare the dumped API with the importable target package; returns report lines and counts."""
     lines: list[str] = []
-    counts = {"modules": 0, "missing_modules": 0, "names": 0, "missing_names": 0, "signature_diffs": 0, "notes": 0}
+    counts = {
+        "modules": 0,
+        "missing_modules": 0,
+        "names": 0,
+        "missing_names": 0,
+        "signature_diffs": 0,
+        "notes": 0,
+    }
     for src_mod in sorted(api["modules"]):
         if only and not any(src_mod == o or src_mod.startswith(o + ".") for o in only):
             continue
@@ -343,7 +361,11 @@ def _fmt_sig(params: list[dict[str, Any]] | None) -> str:
 def _is_opaque(params: list[dict[str, Any]] | None) -> bool:
     if not params:
         return False
-    named = [p for p in params if p["kind"] not in ("var_positional", "var_keyword") and p["name"] != "self"]
+    named = [
+        p
+        for p in params
+        if p["kind"] not in ("var_positional", "var_keyword") and p["name"] != "self"
+    ]
     return not named and {p["kind"] for p in params} >= {"var_positional", "var_keyword"}
 
 
@@ -361,7 +383,9 @@ def _compare_object(name: str, spec: dict[str, Any], obj: Any) -> list[str]:
         for mname, mspec in sorted(spec.get("members", {}).items()):
             raw = inspect.getattr_static(obj, mname, None)
             if raw is None and mspec["kind"] == "property":
-                msgs.append(f"NOTE {name}.{mname}: no class-level property (fine if an instance attribute)")
+                msgs.append(
+                    f"NOTE {name}.{mname}: no class-level property (fine if an instance attribute)"
+                )
                 continue
             if raw is None:
                 sig = _fmt_sig(mspec.get("params")) if "params" in mspec else ""
@@ -378,7 +402,9 @@ def _compare_object(name: str, spec: dict[str, Any], obj: Any) -> list[str]:
                 msgs.append(f"KIND {name}.{mname}: not callable (expected method)")
                 continue
             if _is_opaque(actual) and not _is_opaque(mspec.get("params")):
-                msgs.append(f"NOTE {name}.{mname}: opaque (*args, **kwargs) signature, forwards to its base")
+                msgs.append(
+                    f"NOTE {name}.{mname}: opaque (*args, **kwargs) signature, forwards to its base"
+                )
                 continue
             for d in compare_params(mspec.get("params"), actual):
                 msgs.append(f"SIGNATURE {name}.{mname}: {d}")

@@ -19,6 +19,7 @@ from .grad_sample_module_fast_gradient_clipping import (  # noqa: E402
 )
 from .gsm_base import AbstractGradSampleModule
 from .gsm_exp_weights import GradSampleModuleExpandedWeights
+from .gsm_no_op import GradSampleModuleNoOp  # noqa: E402  (registers grad_sample_mode="no_op")
 from .registry import GRAD_SAMPLERS, NORM_SAMPLERS, register_grad_sampler, register_norm_sampler
 from .utils import get_gsm_class, register_grad_sample_mode, wrap_model
 
@@ -26,6 +27,7 @@ __all__ = [
     "AbstractGradSampleModule",
     "GradSampleModule",
     "GradSampleModuleExpandedWeights",
+    "GradSampleModuleNoOp",
     "GradSampleModuleFastGradientClipping",
     "GradSampleModuleBookKeeping",
     "GRAD_SAMPLERS",

@@ -265,9 +265,10 @@ class DPRNNBase(RenameParamsMixin, nn.Module):
         return s
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input: torch.Tensor | PackedSequence, hx=None):
+    def forward(self, input: torch.Tensor | PackedSequence, state_init=None, *, hx=None):
         """Same as torch's: ``input`` ``(T, B, I)`` (``(B, T, I)`` if ``batch_first``),
-        ``(T, I)`` unbatched, or a ``PackedSequence``; ``hx`` the initial state(s)
+        ``(T, I)`` unbatched, or a ``PackedSequence``; ``state_init`` (or, by torch's name,
+        ``hx=``) the initial state(s)
         ``(num_layers * num_directions, B, H_out)`` (LSTM: a tuple ``(h_0, c_0)``, ``c_0`` with
         ``hidden_size``), zeros if ``None``. Returns ``(output, h_n)`` (LSTM: ``(h_n, c_n)``),
         ``output`` of feature size ``num_directions * H_out`` and ``h_n`` in the original order.
@@ -296,7 +297,11 @@ class DPRNNBase(RenameParamsMixin, nn.Module):
                 f"{type(self).__name__}: input.size(-1) must be equal to input_size. "
                 f"Expected {self.input_size}, got {x.shape[-1]}"
             )
-        h0, c0 = self._initial_states(x, hx, is_lstm, unbatched)
+        if hx is not None:
+            if state_init is not None:
+                raise TypeError(f"{type(self).__name__}: pass state_init or hx, not both")
+            state_init = hx
+        h0, c0 = self._initial_states(x, state_init, is_lstm, unbatched)
 
         h_n, c_n = [], []
         layer_in = x

@@ -1,6 +1,6 @@
 """Model validation and automatic fixing for differentially private training."""
 
-from . import batch_norm, instance_norm, multihead_attention, recurrent  # noqa: F401  (rules)
+from . import batch_norm, gru, instance_norm, lstm, multihead_attention, recurrent  # noqa: F401,I001  (rules)
 from .errors import (
     IllegalModuleConfigurationError,
     NotYetSupportedModuleError,

@@ -19,6 +19,7 @@ from .utils import register_module_fixer, register_module_validator
 
 BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _INSTANCENORM = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
+INSTANCENORM = tuple(_INSTANCENORM.values())  # the replacements with replace_bn_with_in=True
 
 
 def default_num_groups(num_features: int, max_groups: int = 32) -> int:

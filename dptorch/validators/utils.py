@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from .module_validator import ModuleValidator
+
+# The validator class the decorators register with unless told otherwise (Opacus name).
+DEFAULT_MODULE_VALIDATOR = ModuleValidator
+
 
 def _targets(target_class_or_classes) -> list[type]:
     if isinstance(target_class_or_classes, type):
@@ -12,12 +17,11 @@ def _targets(target_class_or_classes) -> list[type]:
 
 
 def register_module_validator(
-    target_class_or_classes: type | Sequence[type], validator_class: type | None = None
+    target_class_or_classes: type | Sequence[type],
+    validator_class: type | None = DEFAULT_MODULE_VALIDATOR,
 ) -> Callable:
     """Registers ``f(module) -> list[UnsupportedModuleError]`` as the rule for modules of exactly
     the given type(s). ``validator_class`` defaults to :class:`ModuleValidator`."""
-    from .module_validator import ModuleValidator
-
     table = (validator_class or ModuleValidator).VALIDATORS
 
     def decorator(f: Callable) -> Callable:
@@ -29,12 +33,11 @@ def register_module_validator(
 
 
 def register_module_fixer(
-    target_class_or_classes: type | Sequence[type], validator_class: type | None = None
+    target_class_or_classes: type | Sequence[type],
+    validator_class: type | None = DEFAULT_MODULE_VALIDATOR,
 ) -> Callable:
     """Registers ``f(module, **kwargs) -> nn.Module`` returning the replacement of a module of
     exactly the given type(s). ``validator_class`` defaults to :class:`ModuleValidator`."""
-    from .module_validator import ModuleValidator
-
     table = (validator_class or ModuleValidator).FIXERS
 
     def decorator(f: Callable) -> Callable:
