@@ -15,7 +15,7 @@ It shows the usual dptorch workflow:
 
 Examples::
 
-    python examples/mnist_digits_cnn.py                       # sigma = 1.0, 15 epochs
+    python examples/mnist_digits_cnn.py                       # sigma = 1.0, 20 epochs
     python examples/mnist_digits_cnn.py --epsilon 3           # calibrate sigma to epsilon = 3
     python examples/mnist_digits_cnn.py --batchnorm --max-physical-batch-size 16
     python examples/mnist_digits_cnn.py --smoke               # 1 epoch, 3 steps
@@ -93,7 +93,7 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> floa
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--epochs", type=int, default=20)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--sigma", type=float, default=1.0,
                         help="noise multiplier (default 1.0); ignored with --epsilon")
@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="target epsilon: calibrate sigma with make_private_with_epsilon")
     p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping norm C")
-    p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--batch-size", type=int, default=64,
                    help="expected (Poisson) logical batch size")

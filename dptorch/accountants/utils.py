@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, Optional
 
 from .registry import create_accountant
@@ -58,24 +59,99 @@ def get_noise_multiplier(
             warnings.simplefilter("ignore")  # RDP boundary-order warnings during the search
             return acc.get_epsilon(delta=target_delta, **kwargs)
 
+    if accountant in _CHEAP:
+        return _bisect(eps_at, target_epsilon, epsilon_tolerance)
+    # an expensive accountant: start from the RDP calibration (RDP's ε is an upper bound, so its
+    # σ is slightly above the answer) and its local slope, then interpolate on the real ε
+    rdp = create_accountant("rdp")
+
+    def rdp_at(sigma: float) -> float:
+        rdp.history = [(sigma, sample_rate, steps)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return rdp.get_epsilon(delta=target_delta)
+
+    try:
+        guess = _bisect(rdp_at, target_epsilon, epsilon_tolerance)
+    except ValueError:  # RDP cannot reach the target: search with the accountant itself
+        return _bisect(eps_at, target_epsilon, epsilon_tolerance)
+    slope = math.log(rdp_at(1.01 * guess) / rdp_at(guess)) / math.log(1.01)
+    return _interpolation_search(eps_at, target_epsilon, epsilon_tolerance, guess, slope)
+
+
+_CHEAP = ("rdp", "gdp")
+
+
+def _bisect(eps_at: Callable[[float], float], target: float, tol: float) -> float:
+    """Doubling, then bisection until the bracket is narrower than ``tol`` and the upper end's
+    ε is within ``tol`` of the target; returns the upper end."""
     sigma_low, sigma_high = 0.0, 1.0
     eps_high = eps_at(sigma_high)
-    while eps_high > target_epsilon:
+    while eps_high > target:
         sigma_low, sigma_high = sigma_high, 2.0 * sigma_high
         if sigma_high > MAX_SIGMA:
             raise ValueError(
-                f"target_epsilon={target_epsilon} is unreachable (needs noise_multiplier > "
+                f"target_epsilon={target} is unreachable (needs noise_multiplier > "
                 f"{MAX_SIGMA:g}); raise target_epsilon or target_delta, or take fewer steps."
             )
         eps_high = eps_at(sigma_high)
-    while (sigma_high - sigma_low > epsilon_tolerance
-           or target_epsilon - eps_high > epsilon_tolerance):
+    while sigma_high - sigma_low > tol or target - eps_high > tol:
         if sigma_high - sigma_low < 1e-12:
             break
         sigma = 0.5 * (sigma_low + sigma_high)
         eps = eps_at(sigma)
-        if eps <= target_epsilon:
+        if eps <= target:
             sigma_high, eps_high = sigma, eps
         else:
             sigma_low = sigma
     return sigma_high
+
+
+def _interpolation_search(
+    eps_at: Callable[[float], float], target: float, tol: float, guess: float, slope: float,
+    max_evals: int = 40,
+) -> float:
+    """σ with ``ε(σ) ≤ target``, ``target − ε(σ) ≤ tol`` and ``ε(σ − tol) > target``.
+
+    ``log ε`` is interpolated linearly in ``log σ`` (secant, starting from ``guess`` and the
+    log-log ``slope``) to aim just above the root, by a margin small enough for both tolerance
+    conditions; then ``σ − tol`` is evaluated to certify the answer. Falls back to bisection.
+    """
+    pts: dict[float, float] = {}
+
+    def ev(sigma: float) -> float:
+        if sigma not in pts:
+            pts[sigma] = eps_at(sigma) if sigma > 0 else math.inf
+        return pts[sigma]
+
+    sigma = guess
+    for _ in range(max_evals):
+        ev(sigma)
+        lo = max((s for s, e in pts.items() if e > target), default=0.0)
+        hi = min((s for s, e in pts.items() if e <= target), default=math.inf)
+        if hi < math.inf and target - pts[hi] <= tol:  # a valid answer, if certified
+            if lo >= hi - tol:
+                return hi
+        # root estimate from the two points closest to the target (in log ε), bracket first
+        usable = [(s, e) for s, e in pts.items() if 0 < e < math.inf]
+        near = sorted(usable, key=lambda p: abs(math.log(p[1] / target)))
+        pair = [p for p in near if p[1] > target][:1] + [p for p in near if p[1] <= target][:1]
+        if len(pair) < 2:
+            pair = near[:2]
+        if len(pair) == 2 and pair[0][0] != pair[1][0] and pair[0][1] != pair[1][1]:
+            (s0, e0), (s1, e1) = pair
+            slope = math.log(e1 / e0) / math.log(s1 / s0)
+        s0, e0 = near[0] if near else (sigma, math.inf)
+        root = s0 * math.exp(math.log(target / e0) / slope) if slope < 0 and near else math.nan
+        # margin: below tol in σ, and below tol in ε (|dε/dσ| ≈ |slope|·ε/σ)
+        dedsigma = abs(slope) * target / root if root == root and root > 0 else math.inf
+        margin = 0.3 * min(tol, tol / dedsigma) if dedsigma > 0 else 0.3 * tol
+        if hi < math.inf and target - pts[hi] <= tol and hi - tol <= root:
+            sigma = hi - tol  # certify: ε(hi − tol) should exceed the target
+        else:
+            sigma = root + margin
+        if not (lo < sigma < hi) or sigma != sigma or sigma in pts:
+            sigma = 0.5 * (lo + hi) if hi < math.inf else 2.0 * max(lo, guess)
+        if sigma > MAX_SIGMA:
+            break
+    return _bisect(eps_at, target, tol)

@@ -17,6 +17,7 @@ linear in ``e^ε`` between lattice points, so the inversion is exact.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import fft as sfft
 from scipy.signal import lfilter
-from scipy.special import logsumexp
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +46,54 @@ class LatticeLoss:
     inf_mass: float = 0.0
     shift: float = 0.0
 
+    @functools.cached_property
+    def _support(self) -> tuple[np.ndarray, np.ndarray]:
+        """(points, log-masses) of the non-zero part of the PMF (computed once)."""
+        nz = np.nonzero(self.pmf > 0)[0]
+        t = (self.start + nz) * self.h + self.shift
+        return t, np.log(self.pmf[nz])
+
     def log_mgf(self, lambdas: np.ndarray) -> np.ndarray:
         """``log Σ_t p_t e^{λ t}`` of the finite part, for each λ."""
-        t = (self.start + np.arange(self.pmf.size)) * self.h + self.shift
-        with np.errstate(divide="ignore"):
-            logp = np.log(self.pmf)
-        lambdas = np.asarray(lambdas, dtype=np.float64)
-        return logsumexp(logp[None, :] + lambdas[:, None] * t[None, :], axis=1)
+        t, logp = self._support
+        lambdas = np.atleast_1d(np.asarray(lambdas, dtype=np.float64))
+        if t.size == 0:
+            return np.full(lambdas.shape, -np.inf)
+        a = logp[None, :] + lambdas[:, None] * t[None, :]
+        top = a.max(axis=1)
+        return top + np.log(np.exp(a - top[:, None]).sum(axis=1))
+
+    @functools.cached_property
+    def _moments(self) -> tuple[float, float]:
+        t, logp = self._support
+        p = np.exp(logp)
+        m = p.sum()
+        mean = float(np.dot(p, t)) / m
+        return mean, float(np.dot(p, (t - mean) ** 2)) / m
 
     def variance(self) -> float:
         """Variance of the normalised finite part."""
-        t = (self.start + np.arange(self.pmf.size)) * self.h
-        m = self.pmf.sum()
-        mean = float(np.dot(self.pmf, t)) / m
-        return float(np.dot(self.pmf, (t - mean) ** 2)) / m
+        return self._moments[1]
+
+    def mean(self) -> float:
+        """Mean of the normalised finite part."""
+        return self._moments[0]
+
+    def swapped(self, log_q_mass_outside: float = -math.inf) -> LatticeLoss:
+        """The loss distribution of the swapped pair ``(Q, P)``.
+
+        ``self`` is the distribution under ``P`` of ``log dP/dQ`` with ``Q = e^{−t}P`` on the
+        lattice; the swapped loss is ``−t`` with mass ``p_t e^{−t}`` (computed in log space).
+        ``log_q_mass_outside`` is the log Q-mass not carried by the lattice (where P = 0 or
+        outside the truncation): it is infinite loss for the swapped pair.
+        """
+        t = (self.start + np.arange(self.pmf.size)) * self.h + self.shift
+        with np.errstate(divide="ignore"):
+            pmf = np.exp(np.log(self.pmf) - t)[::-1].copy()
+        pmf.setflags(write=False)
+        return LatticeLoss(h=self.h, start=-(self.start + self.pmf.size - 1), pmf=pmf,
+                           inf_mass=float(min(math.exp(log_q_mass_outside), 1.0)),
+                           shift=-self.shift)
 
 
 @dataclass(frozen=True)
