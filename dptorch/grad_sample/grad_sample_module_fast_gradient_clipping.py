@@ -37,6 +37,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .grad_sample_module import GradSampleModule, _first_tensor
+from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
 from .registry import NORM_SAMPLERS
 from .unit_params import unit_parameters
 from .utils import register_grad_sample_mode
@@ -286,7 +287,10 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     def mark_clipped_pass(self) -> None:
         """Records on every trainable parameter that ``p.grad`` now holds one more clipped sum
         (read by ``DPOptimizerFastGradientClipping``: accumulated iterations, step guard)."""
-        for p in self.trainable_parameters():
+        params = self.trainable_parameters()
+        if not self.grad_accumulation_allowed and any(hasattr(p, FAST_PASSES_ATTR) for p in params):
+            raise ValueError(ACCUMULATION_FORBIDDEN_MESSAGE)
+        for p in params:
             setattr(p, FAST_PASSES_ATTR, getattr(p, FAST_PASSES_ATTR, 0) + 1)
 
 

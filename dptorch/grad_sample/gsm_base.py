@@ -21,6 +21,13 @@ def clear_grad_sample(p: torch.Tensor) -> None:
 
 VALID_LOSS_REDUCTIONS = ("mean", "sum")
 
+ACCUMULATION_FORBIDDEN_MESSAGE = (
+    "A second backward pass ran before optimizer.step()/zero_grad(), and gradient accumulation "
+    "is forbidden (Poisson sampling: two small Poisson batches are not one large one). Call "
+    "optimizer.step() and optimizer.zero_grad() after every backward, or use "
+    "dptorch.utils.batch_memory_manager.BatchMemoryManager for large logical batches."
+)
+
 
 def _check_loss_reduction(loss_reduction: str) -> None:
     if loss_reduction not in VALID_LOSS_REDUCTIONS:

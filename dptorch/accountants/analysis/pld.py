@@ -55,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 History = Sequence[tuple[float, float, int]]
 
+#: fraction of δ spent on tail truncation: tiny, as a δ error moves a large ε a lot (where the
+#: profile is flat in ε), and cheap, as the cut points grow only like √log(1/tail)
+TAIL_FRACTION = 1e-7
+
 #: lattice points of the rough discretisation used only to estimate the loss variance
 _MOMENT_POINTS = 2048
 
@@ -192,7 +196,7 @@ def compute_epsilon_pld(history: History, delta: float, eps_error: float = 0.01)
         return 0.0
     if any(s == 0.0 for s, _, _ in phases):
         return math.inf
-    return _cached_upper_bound(tuple(phases), delta, eps_error, delta * 1e-4)
+    return _cached_upper_bound(tuple(phases), delta, eps_error, delta * TAIL_FRACTION)
 
 
 @functools.lru_cache(maxsize=128)

@@ -11,8 +11,9 @@ lattice meets the same ``eps_error``. See :mod:`..pld` for the construction and 
 
 The interface keeps the PRV accountant's parameters: ``eps_error`` (the returned upper bound is
 aimed at no more than ``eps_error/2`` above the exact ε, checked by Richardson extrapolation) and
-``delta_error``, the δ budget for truncating the tails of each step (the truncated mass is
-counted as infinite privacy loss, so it can only raise ε).
+``delta_error``, the most δ spent on truncating the tails of the steps (the truncated mass is
+counted as infinite privacy loss, so it can only raise ε; at most ``1e-7·δ`` is used, since at
+large ε a δ error of ``delta_error`` would move ε by far more than ``eps_error``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import math
 from collections.abc import Sequence
 
 from ..lattice import MAX_FFT_SIZE
-from ..pld import _active, _cached_upper_bound, epsilon_upper_bound
+from ..pld import TAIL_FRACTION, _active, _cached_upper_bound, epsilon_upper_bound
 
 __all__ = ["compute_epsilon_prv"]
 
@@ -54,6 +55,7 @@ def compute_epsilon_prv(
         return 0.0
     if any(s == 0.0 for s, _, _ in phases):
         return math.inf
+    tail_delta = min(delta_error, delta * TAIL_FRACTION)  # spend at most the budget
     if max_size != MAX_FFT_SIZE:
-        return epsilon_upper_bound(phases, delta, eps_error, delta_error, max_size=max_size)
-    return _cached_upper_bound(tuple(phases), delta, eps_error, delta_error)
+        return epsilon_upper_bound(phases, delta, eps_error, tail_delta, max_size=max_size)
+    return _cached_upper_bound(tuple(phases), delta, eps_error, tail_delta)
