@@ -9,7 +9,7 @@ a training step on it still adds noise and is accounted for.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,14 @@ from .utils.uniform_sampler import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DPDataLoader", "CollateFnWithEmpty", "wrap_collate_with_empty", "switch_generator"]
+__all__ = [
+    "DPDataLoader",
+    "CollateFnWithEmpty",
+    "wrap_collate_with_empty",
+    "switch_generator",
+    "shape_safe",
+    "dtype_safe",
+]
 
 # DataLoader settings carried over by DPDataLoader.from_data_loader (batching is replaced).
 _CARRIED_KWARGS = (
@@ -42,10 +49,14 @@ _CARRIED_KWARGS = (
 
 
 def _empty_like_batch(batch: Any, batch_dim: int) -> Any:
-    """The zero-size version of a collated batch: tensors keep dtype and trailing shape."""
+    """The zero-size version of a collated batch: tensors keep dtype, device and trailing shape
+    (new tensors, so the template batch's storage is not kept alive)."""
     if isinstance(batch, torch.Tensor):
-        dim = batch_dim if batch.dim() > batch_dim else 0
-        return batch.narrow(dim, 0, 0) if batch.dim() > 0 else batch.new_empty((0,))
+        if batch.dim() == 0:
+            return batch.new_empty((0,))
+        shape = list(batch.shape)
+        shape[batch_dim if batch.dim() > batch_dim else 0] = 0
+        return batch.new_empty(shape)
     if isinstance(batch, Mapping):
         return type(batch)({k: _empty_like_batch(v, batch_dim) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
@@ -61,43 +72,114 @@ def _empty_like_batch(batch: Any, batch_dim: int) -> Any:
     return batch
 
 
+def shape_safe(x: Any) -> tuple:
+    """``x.shape``, or ``()`` for values without one (Python scalars)."""
+    return getattr(x, "shape", ())
+
+
+def dtype_safe(x: Any) -> torch.dtype | type:
+    """``x.dtype``, or ``type(x)`` for values without one (``int`` / ``float`` labels)."""
+    return getattr(x, "dtype", type(x))
+
+
 class CollateFnWithEmpty:
     """Wraps a collate function so that an empty list of samples gives an empty batch.
 
-    The structure, dtypes and trailing shapes of the empty batch are those of a one-sample batch
-    of ``dataset[0]`` collated by the same function, computed once on the first empty batch.
+    The empty batch has the structure, dtypes and trailing shapes of a real batch, with a
+    zero-size batch dimension, taken from (first that applies):
+
+    1. ``dataset`` (dptorch): a one-sample batch of ``dataset[0]``, collated once by the same
+       function: exact (dicts, namedtuples) even when the very first batch is empty;
+    2. the first non-empty batch seen;
+    3. ``sample_empty_shapes`` and ``dtypes`` (one entry per field, e.g.
+       ``[(0, *shape_safe(x)) for x in dataset[0]]`` and ``[dtype_safe(x) ...]``): a list of
+       zero-filled tensors of those shapes;
+    4. else ``[]``.
 
     Args:
-        collate_fn: the collate function to wrap (``default_collate`` when ``None``).
-        dataset: the dataset, used for the structure of an empty batch.
+        collator_fn: the collate function to wrap; ``None`` passes the list of samples through.
         batch_first: whether the batch dimension of collated tensors is 0 (else 1).
+        rand_on_empty: must be ``False``: replacing an empty Poisson batch by random data
+            changes the sampling the privacy accountant assumes (``ValueError``).
+        sample_empty_shapes: shapes of the fields of an empty batch (case 3).
+        dtypes: dtypes of those fields (case 3).
+        dataset: the dataset whose first record gives the structure (case 1).
     """
 
     def __init__(
-        self, collate_fn: Callable | None, dataset: Dataset, *, batch_first: bool = True
+        self,
+        collator_fn: Callable | None,
+        batch_first: bool = True,
+        rand_on_empty: bool = False,
+        sample_empty_shapes: Sequence[tuple] | None = None,
+        dtypes: Sequence[torch.dtype | type] | None = None,
+        *,
+        dataset: Dataset | None = None,
     ) -> None:
-        self.collate_fn = collate_fn if collate_fn is not None else default_collate
-        self.dataset = dataset
+        if rand_on_empty:
+            raise ValueError(
+                "rand_on_empty=True is not supported: returning random data for an empty "
+                "Poisson batch changes the sampling the accountant assumes. Empty batches are "
+                "handled as zero-size tensors (a noise-only step)."
+            )
+        self.wrapped_collator_fn = collator_fn
         self.batch_first = batch_first
+        self.rand_on_empty = rand_on_empty
+        self.sample_empty_shapes = sample_empty_shapes
+        self.dtypes = dtypes
+        self.dataset = dataset
         self._empty_batch: Any = None
+
+    def _collate(self, batch: list[Any]) -> Any:
+        return batch if self.wrapped_collator_fn is None else self.wrapped_collator_fn(batch)
+
+    def _template(self, batch: Any) -> Any:
+        return _empty_like_batch(batch, 0 if self.batch_first else 1)
 
     def __call__(self, batch: list[Any]) -> Any:
         if len(batch) > 0:
-            return self.collate_fn(batch)
+            out = self._collate(batch)
+            if self._empty_batch is None and self.dataset is None:
+                self._empty_batch = self._template(out)
+            return out
         if self._empty_batch is None:
-            self._empty_batch = _empty_like_batch(
-                self.collate_fn([self.dataset[0]]), 0 if self.batch_first else 1
-            )
+            if self.dataset is not None:
+                self._empty_batch = self._template(self._collate([self.dataset[0]]))
+            elif self.sample_empty_shapes is not None and self.dtypes is not None:
+                return [
+                    torch.zeros(shape, dtype=dtype)
+                    for shape, dtype in zip(self.sample_empty_shapes, self.dtypes)
+                ]
+            else:
+                logger.warning(
+                    "The first batch is empty and its structure is unknown: returning []. Pass "
+                    "dataset= (or sample_empty_shapes= and dtypes=) to get zero-size tensors."
+                )
+                return []
         return self._empty_batch
 
 
 def wrap_collate_with_empty(
-    *, collate_fn: Callable | None, dataset: Dataset, batch_first: bool = True
+    *,
+    collate_fn: Callable | None,
+    batch_first: bool = True,
+    rand_on_empty: bool = False,
+    sample_empty_shapes: Sequence[tuple] | None = None,
+    dtypes: Sequence[torch.dtype | type] | None = None,
+    dataset: Dataset | None = None,
 ) -> CollateFnWithEmpty:
-    """``collate_fn`` that also handles empty batches (see :class:`CollateFnWithEmpty`)."""
+    """``collate_fn`` that also handles empty batches (see :class:`CollateFnWithEmpty`); an
+    already wrapped function is re-wrapped, not nested."""
     if isinstance(collate_fn, CollateFnWithEmpty):
-        collate_fn = collate_fn.collate_fn
-    return CollateFnWithEmpty(collate_fn, dataset, batch_first=batch_first)
+        collate_fn = collate_fn.wrapped_collator_fn
+    return CollateFnWithEmpty(
+        collate_fn,
+        batch_first=batch_first,
+        rand_on_empty=rand_on_empty,
+        sample_empty_shapes=sample_empty_shapes,
+        dtypes=dtypes,
+        dataset=dataset,
+    )
 
 
 def _loader_generator(generator: torch.Generator | None, secure_mode: bool) -> torch.Generator:
@@ -183,7 +265,9 @@ class DPDataLoader(DataLoader):
             dataset=dataset,
             batch_sampler=batch_sampler,
             collate_fn=wrap_collate_with_empty(
-                collate_fn=collate_fn, dataset=dataset, batch_first=batch_first
+                collate_fn=default_collate if collate_fn is None else collate_fn,
+                batch_first=batch_first,
+                dataset=dataset,
             ),
             generator=_loader_generator(generator, secure_mode),
             **kwargs,

@@ -49,8 +49,8 @@ def make_languages(n_classes: int, rng: np.random.Generator) -> list[dict]:
     for _ in range(n_classes):
         lo = int(rng.integers(3, 7))
         languages.append({
-            "start": rng.dirichlet(np.full(k, 0.2)),
-            "trans": rng.dirichlet(np.full(k, 0.15), size=k),
+            "start": rng.dirichlet(np.full(k, 0.1)),
+            "trans": rng.dirichlet(np.full(k, 0.05), size=k),
             "lengths": (lo, lo + int(rng.integers(2, 6))),
         })
     return languages

@@ -12,7 +12,7 @@ from . import (  # noqa: F401  (registers samplers)
     norm_samplers,  # noqa: E402,F401,I001  (registers norm samplers)
     rms_norm,
 )
-from .grad_sample_module import GradSampleModule
+from .grad_sample_module import GradSampleModule, create_or_accumulate_grad_sample
 from .grad_sample_module_bk import GradSampleModuleBookKeeping  # noqa: E402
 from .grad_sample_module_fast_gradient_clipping import (  # noqa: E402
     GradSampleModuleFastGradientClipping,
@@ -21,7 +21,7 @@ from .gsm_base import AbstractGradSampleModule
 from .gsm_exp_weights import GradSampleModuleExpandedWeights
 from .gsm_no_op import GradSampleModuleNoOp  # noqa: E402  (registers grad_sample_mode="no_op")
 from .registry import GRAD_SAMPLERS, NORM_SAMPLERS, register_grad_sampler, register_norm_sampler
-from .utils import get_gsm_class, register_grad_sample_mode, wrap_model
+from .utils import get_gsm_class, prepare_module, register_grad_sample_mode, wrap_model
 
 __all__ = [
     "AbstractGradSampleModule",
@@ -30,11 +30,13 @@ __all__ = [
     "GradSampleModuleNoOp",
     "GradSampleModuleFastGradientClipping",
     "GradSampleModuleBookKeeping",
+    "create_or_accumulate_grad_sample",
     "GRAD_SAMPLERS",
     "NORM_SAMPLERS",
     "register_grad_sampler",
     "register_norm_sampler",
     "get_gsm_class",
     "register_grad_sample_mode",
+    "prepare_module",
     "wrap_model",
 ]

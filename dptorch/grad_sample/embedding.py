@@ -170,3 +170,20 @@ def compute_embeddingbag_grad_sample(
     if layer.padding_idx is not None:
         gs[:, layer.padding_idx] = 0
     return {layer.weight: gs}
+
+
+def compute_embeddingbag_gradsampler(
+    layer: nn.EmbeddingBag, inputs: Sequence, backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Opacus name of :func:`compute_embeddingbag_grad_sample` (``inputs`` = activations)."""
+    return compute_embeddingbag_grad_sample(layer, inputs, backprops)
+
+
+def compute_embedding_norm_sample(
+    layer: nn.Embedding, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradient norms (not squared) of ``nn.Embedding``, ``{weight: (B,)}`` (Opacus
+    API); computed by the norm sampler of :mod:`dptorch.grad_sample.norm_samplers`."""
+    from .norm_samplers import compute_embedding_norm_sq_sample, sample_norms
+
+    return sample_norms(compute_embedding_norm_sq_sample(layer, activations, backprops))

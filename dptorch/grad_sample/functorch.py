@@ -35,6 +35,24 @@ def ft_compute_per_sample_gradient(
         return {}
     names = [n for n, _ in named]
     values = tuple(p.detach() for _, p in named)
+    if backprops.shape[0] == 0:
+        return {p: p.new_zeros((0, *p.shape)) for _, p in named}
+    per_sample = _vmap_grad(layer, names, values, activations, backprops, kwargs, batch_first)
+    return {p: gs for (_, p), gs in zip(named, per_sample)}
+
+
+def _vmap_grad(
+    layer: nn.Module,
+    names: Sequence[str],
+    values: tuple,
+    activations: Sequence,
+    backprops: torch.Tensor,
+    kwargs: dict,
+    batch_first: bool,
+) -> tuple:
+    """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the parameters ``names`` (given the
+    values ``values``), one ``(B, *shape)`` tensor per name: ``vmap`` over ``grad`` of a
+    ``functional_call`` on one sample."""
     batch_size = backprops.shape[0]
     bdim = 0 if batch_first else 1
 
@@ -43,8 +61,6 @@ def ft_compute_per_sample_gradient(
 
     batched_pos = [i for i, a in enumerate(activations) if is_batched(a)]
     batched_kw = [k for k, v in kwargs.items() if is_batched(v)]
-    if batch_size == 0:
-        return {p: p.new_zeros((0, *p.shape)) for _, p in named}
 
     def sample_loss(param_values, pos_values, kw_values, g):
         args = list(activations)
@@ -58,10 +74,43 @@ def ft_compute_per_sample_gradient(
             out = out[0]
         return (out * g.unsqueeze(bdim)).sum()
 
-    per_sample = vmap(grad(sample_loss), in_dims=(None, 0, 0, 0))(
-        values,
+    return vmap(grad(sample_loss), in_dims=(None, 0, 0, 0))(
+        tuple(values),
         tuple(activations[i] for i in batched_pos),
         tuple(kwargs[k] for k in batched_kw),
         backprops,
     )
-    return {p: gs for (_, p), gs in zip(named, per_sample)}
+
+
+def make_functional(mod: nn.Module, disable_autograd_tracking: bool = False):
+    """``(fmodel, params)``: ``params`` are ``mod``'s parameters (``named_parameters`` order;
+    detached with ``disable_autograd_tracking=True``) and ``fmodel(params, *args, **kwargs)``
+    runs ``mod`` with them in place of its own (``torch.func.functional_call``; buffers are the
+    module's). The replacement of the removed ``functorch.make_functional``."""
+    named = dict(mod.named_parameters())
+    names = tuple(named)
+    values = tuple(named.values())
+    if disable_autograd_tracking:
+        values = tuple(v.detach() for v in values)
+
+    def fmodel(new_params, *args, **kwargs):
+        return functional_call(mod, dict(zip(names, new_params)), args, kwargs)
+
+    return fmodel, values
+
+
+def prepare_layer(layer: nn.Module, batch_first: bool = True) -> None:
+    """Attaches ``layer.ft_compute_sample_grad(params, activations, backprops)``: the per-sample
+    gradients (a tuple, ``(B, *p.shape)`` each) of all ``layer.parameters()`` given their values
+    ``params``, the layer's input ``activations`` and its output gradient ``backprops``, both
+    batch first. ``batch_first`` is the layout the layer itself is called with (a layer may fix
+    its own with ``grad_sample_batch_first``, as ``GradSampleModule`` does)."""
+    from .grad_sample_module import module_batch_first
+
+    names = [n for n, _ in layer.named_parameters()]
+    bf = module_batch_first(layer, batch_first)
+
+    def ft_compute_sample_grad(params, activations, backprops):
+        return _vmap_grad(layer, names, tuple(params), [activations], backprops, {}, bf)
+
+    layer.ft_compute_sample_grad = ft_compute_sample_grad

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -23,11 +24,50 @@ import torch
 from torch import nn
 
 from .functorch import ft_compute_per_sample_gradient
-from .gsm_base import AbstractGradSampleModule
+from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
 from .registry import GRAD_SAMPLERS
 from .unit_params import trainable_units
 
 logger = logging.getLogger(__name__)
+
+
+def create_or_accumulate_grad_sample(
+    *, param: torch.Tensor, grad_sample: torch.Tensor, max_batch_len: int
+) -> None:
+    """Adds ``grad_sample`` ``(b, *param.shape)`` to ``param._current_grad_sample``, creating it
+    on the first call of the backward pass; both are zero-padded along the batch to the longer
+    of them, and at least to ``max_batch_len`` (a layer fed shrinking batches). No-op for a
+    frozen parameter."""
+    if not param.requires_grad:
+        return
+    cur = getattr(param, "_current_grad_sample", None)
+    if cur is None:
+        n = max(grad_sample.shape[0], max_batch_len)
+        cur = grad_sample if grad_sample.shape[0] == n else _pad_batch(grad_sample, n)
+    else:
+        n = max(cur.shape[0], grad_sample.shape[0])
+        if grad_sample.shape[0] < n:
+            grad_sample = _pad_batch(grad_sample, n)
+        if cur.shape[0] < n:
+            cur = _pad_batch(cur, n)
+        cur = cur + grad_sample  # out of place: ``cur`` may alias a gradient owned by autograd
+    param._current_grad_sample = cur
+
+
+def promote_current_grad_sample(p: nn.Parameter) -> None:
+    """Publishes ``p._current_grad_sample`` (one backward pass) as ``p.grad_sample``; a second
+    pass without ``zero_grad`` makes ``p.grad_sample`` a list, one entry per pass."""
+    if not p.requires_grad:
+        return
+    gs = p._current_grad_sample
+    del p._current_grad_sample
+    prev = getattr(p, "grad_sample", None)
+    if prev is None:
+        p.grad_sample = gs
+    elif isinstance(prev, list):
+        prev.append(gs)
+    else:
+        p.grad_sample = [prev, gs]
 
 
 class GradSampleModule(AbstractGradSampleModule):
@@ -89,10 +129,18 @@ class GradSampleModule(AbstractGradSampleModule):
         self.loss_reduction = loss_reduction
         self.batch_first = batch_first
         self.force_functorch = force_functorch
-        for _, module in trainable_units(self._module):
+        for module in self.iterate_submodules(self._module):
             handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
             self.autograd_grad_sample_hooks.append(handle)
         self.enable_hooks()
+
+    def iterate_submodules(self, module: nn.Module) -> Iterator[nn.Module]:
+        """The submodules of ``module`` (itself included) that get a per-sample-gradient hook:
+        those owning trainable parameters (parametrization originals count for the module they
+        parametrize). Unlike Opacus, a layer without a grad sampler does not hide its
+        submodules: ``torch.func`` computes the gradients of each such module's own parameters."""
+        for _, m in trainable_units(module):
+            yield m
 
     def remove_hooks(self) -> None:
         """Removes all hooks added by :meth:`add_hooks`."""
@@ -122,10 +170,6 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def enable_backward_hooks(self) -> None:
         self.backward_hooks_enabled = True
-
-    def _close(self) -> None:
-        super()._close()
-        self.remove_hooks()
 
     # ------------------------------------------------------------------ capture
     def _forward_hook(self, module, args, kwargs, output):
@@ -232,18 +276,9 @@ class GradSampleModule(AbstractGradSampleModule):
         return activations, backprops
 
     def _accumulate_current(self, p: nn.Parameter, gs: torch.Tensor, max_batch_len: int) -> None:
-        cur = getattr(p, "_current_grad_sample", None)
-        if cur is None:
-            cur = gs if gs.shape[0] >= max_batch_len else _pad_batch(gs, max_batch_len)
-        else:
-            n = max(cur.shape[0], gs.shape[0])
-            if gs.shape[0] < n:
-                gs = _pad_batch(gs, n)
-            if cur.shape[0] < n:
-                cur = _pad_batch(cur, n)
-            cur = cur + gs  # out of place: ``cur`` may alias a gradient owned by autograd
-        p._current_grad_sample = cur
-        self._pending[id(p)] = p
+        if p.requires_grad:
+            create_or_accumulate_grad_sample(param=p, grad_sample=gs, max_batch_len=max_batch_len)
+            self._pending[id(p)] = p
 
     # ------------------------------------------------------------------ end of a backward pass
     def _queue_end_of_backward(self) -> None:
@@ -257,24 +292,14 @@ class GradSampleModule(AbstractGradSampleModule):
         if self.multi_pass:
             self._publish_pass(pending)
             return
+        if not self.grad_accumulation_allowed and any(
+            getattr(p, "grad_sample", None) is not None for p in pending
+        ):
+            for p in pending:
+                del p._current_grad_sample
+            raise ValueError(ACCUMULATION_FORBIDDEN_MESSAGE)
         for p in pending:
-            gs = p._current_grad_sample
-            del p._current_grad_sample
-            prev = getattr(p, "grad_sample", None)
-            if prev is None:
-                p.grad_sample = gs
-            elif not self.grad_accumulation_allowed:
-                raise ValueError(
-                    "A second backward pass ran before optimizer.step()/zero_grad(), and gradient "
-                    "accumulation is forbidden (Poisson sampling: two small Poisson batches are "
-                    "not one large one). Call optimizer.step() and optimizer.zero_grad() after "
-                    "every backward, or use dptorch.utils.batch_memory_manager.BatchMemoryManager "
-                    "for large logical batches."
-                )
-            elif isinstance(prev, list):
-                prev.append(gs)
-            else:
-                p.grad_sample = [prev, gs]
+            promote_current_grad_sample(p)
 
     def _publish_pass(self, pending: list[nn.Parameter]) -> None:
         """Multi-pass mode: appends this backward pass as a new slice of every ``p.grad_sample``.

@@ -178,8 +178,8 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 if p.requires_grad:
                     self._bk_handles.append(p.register_hook(self._zero_autograd_grad))
 
-    def _close(self) -> None:
-        super()._close()
+    def cleanup(self) -> None:
+        super().cleanup()
         for h in self._bk_handles:
             h.remove()
         self._bk_handles = []

@@ -37,17 +37,12 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .grad_sample_module import GradSampleModule, _first_tensor
-from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
+from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, FAST_PASSES_ATTR
 from .registry import NORM_SAMPLERS
 from .unit_params import unit_parameters
 from .utils import register_grad_sample_mode
 
 logger = logging.getLogger(__name__)
-
-#: attribute counting the clipped backward passes accumulated in ``p.grad`` since the last step;
-#: set by the fast-clipping modules, consumed by ``DPOptimizerFastGradientClipping``.
-FAST_PASSES_ATTR = "_dp_fast_passes"
-_NORM_ATTRS = ("_norm_sample", FAST_PASSES_ATTR, "_current_grad_sample")
 
 
 def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
@@ -149,15 +144,12 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         return clip_factors(self.per_sample_gradient_norms, self.max_grad_norm)
 
     def del_grad_sample(self) -> None:
+        """Removes per-sample norms, pass counters and kept outputs (see ``gsm_base``)."""
         super().del_grad_sample()
         self._outputs = []
-        for p in self.parameters():
-            for attr in _NORM_ATTRS:
-                if hasattr(p, attr):
-                    delattr(p, attr)
 
-    def _close(self) -> None:
-        super()._close()
+    def cleanup(self) -> None:
+        super().cleanup()
         self._outputs.clear()
         self._call_counts.clear()
 

@@ -10,14 +10,30 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-_GS_ATTRS = ("grad_sample", "_current_grad_sample", "_grad_sample_passes")
+#: attribute counting the clipped backward passes accumulated in ``p.grad`` since the last step
+#: (fast-clipping modes; read by ``DPOptimizerFastGradientClipping``).
+FAST_PASSES_ATTR = "_dp_fast_passes"
+
+#: Every attribute the grad-sample modules set on parameters: the published per-sample gradients
+#: (``grad_sample``), the sum over the calls of the current backward pass
+#: (``_current_grad_sample``), the slices of multi-pass mode (``_grad_sample_passes``), and the
+#: per-sample norms and pass counter of the fast-clipping modes. :func:`clear_grad_sample` and
+#: :meth:`AbstractGradSampleModule.cleanup` remove them.
+OPACUS_PARAM_MONKEYPATCH_ATTRS = [
+    "grad_sample",
+    "_current_grad_sample",
+    "_grad_sample_passes",
+    "_norm_sample",
+    FAST_PASSES_ATTR,
+]
 
 
 def clear_grad_sample(p: torch.Tensor) -> None:
     """Removes every per-sample-gradient attribute dptorch may have set on ``p``."""
-    for attr in _GS_ATTRS:
+    for attr in OPACUS_PARAM_MONKEYPATCH_ATTRS:
         if hasattr(p, attr):
             delattr(p, attr)
+
 
 VALID_LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -71,22 +87,44 @@ class AbstractGradSampleModule(nn.Module, ABC):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self._module.parameters() if p.requires_grad]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears ``p.grad`` and every per-sample gradient attribute."""
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Clears ``p.grad`` (zeroed, or ``None`` with ``set_to_none=True``) and removes every
+        per-sample-gradient attribute, whatever ``set_to_none`` (per-sample gradients of
+        successive passes may differ in batch size, so they cannot be zeroed in place)."""
         super().zero_grad(set_to_none=set_to_none)
         self.del_grad_sample()
 
     def del_grad_sample(self) -> None:
+        """Removes every per-sample-gradient attribute from the parameters."""
         for p in self.parameters():
             clear_grad_sample(p)
 
+    def set_grad_sample_to_none(self) -> None:
+        """Sets ``p.grad_sample = None`` on every parameter (other per-sample state removed)."""
+        for p in self.parameters():
+            clear_grad_sample(p)
+            p.grad_sample = None
+
+    def remove_hooks(self) -> None:
+        """Removes the hooks this module installed (none here; subclasses that hook override)."""
+
+    def cleanup(self) -> None:
+        """Removes the hooks and every attribute of :data:`OPACUS_PARAM_MONKEYPATCH_ATTRS` from
+        the parameters: the wrapped module is a plain module again."""
+        try:
+            self.remove_hooks()
+        except Exception as e:  # still strip the parameters
+            logger.warning("Failed to remove hooks during cleanup (%s); removing attributes.", e)
+        finally:
+            self.del_grad_sample()
+
     def to_standard_module(self) -> nn.Module:
-        """Returns the wrapped module, with per-sample-gradient state removed."""
+        """Returns the wrapped module, with hooks and per-sample-gradient state removed."""
         self._close()
         return self._module
 
     def _close(self) -> None:
-        self.del_grad_sample()
+        self.cleanup()
 
     def forbid_grad_accumulation(self) -> None:
         """After this, a second backward pass without ``zero_grad`` raises ``ValueError``."""

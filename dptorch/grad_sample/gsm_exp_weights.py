@@ -160,8 +160,8 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
             p.grad_sample = prev[0] if len(prev) == 1 else prev
         self._previous = {}
 
-    def _close(self) -> None:
-        super()._close()
+    def remove_hooks(self) -> None:
+        """Removes the forward hooks that watch the trainable layers' outputs."""
         for h in self._hooks:
             h.remove()
         self._hooks = []

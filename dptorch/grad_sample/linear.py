@@ -26,3 +26,13 @@ def compute_linear_grad_sample(
     if layer.bias is not None and layer.bias.requires_grad:
         ret[layer.bias] = backprops if backprops.dim() == 2 else backprops.flatten(1, -2).sum(1)
     return ret
+
+
+def compute_linear_norm_sample(
+    layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradient norms (not squared) of ``nn.Linear``, ``{param: (B,)}`` (Opacus
+    API); computed by the ghost-norm sampler of :mod:`dptorch.grad_sample.norm_samplers`."""
+    from .norm_samplers import compute_linear_norm_sq_sample, sample_norms
+
+    return sample_norms(compute_linear_norm_sq_sample(layer, activations, backprops))

@@ -61,6 +61,12 @@ def _sq_norms(gs: torch.Tensor) -> torch.Tensor:
     return gs.reshape(gs.shape[0], _positions(gs, 1, 0)).pow(2).sum(1)
 
 
+def sample_norms(norms_sq: ParamDict) -> ParamDict:
+    """``{param: (B,)}`` squared norms -> norms: the convention of Opacus's norm-sampler
+    functions (``compute_linear_norm_sample`` ...), which dptorch exposes on top of these."""
+    return {p: sq.clamp_min(0).sqrt() for p, sq in norms_sq.items()}
+
+
 def instantiate_norms(grad_samples: ParamDict) -> ParamDict:
     """Squared norms of materialised per-sample gradients ``{p: (B, ...)} -> {p: (B,)}``."""
     return {p: _sq_norms(gs) for p, gs in grad_samples.items()}
@@ -120,7 +126,7 @@ def _gram_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 @register_norm_sampler(nn.Linear)
-def compute_linear_norm_sample(
+def compute_linear_norm_sq_sample(
     layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> ParamDict:
     """Squared per-sample norms of ``nn.Linear`` gradients for an input ``(B, ..., d_in)``.
@@ -160,7 +166,7 @@ def linear_clipped_sum(
 
 # ----------------------------------------------------------------------------- Conv
 @register_norm_sampler([nn.Conv1d, nn.Conv2d, nn.Conv3d])
-def compute_conv_norm_sample(
+def compute_conv_norm_sq_sample(
     layer: nn.modules.conv._ConvNd, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> ParamDict:
     """Squared per-sample norms of a convolution's gradients.
@@ -260,7 +266,7 @@ def _embedding_entries(layer: nn.Embedding, ids: torch.Tensor, backprops: torch.
 
 
 @register_norm_sampler(nn.Embedding)
-def compute_embedding_norm_sample(
+def compute_embedding_norm_sq_sample(
     layer: nn.Embedding, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> ParamDict:
     """Squared per-sample norms of ``nn.Embedding`` gradients, ``O(B·S·d)``.
@@ -299,7 +305,7 @@ def embedding_clipped_sum(
 
 
 @register_norm_sampler(nn.EmbeddingBag)
-def compute_embeddingbag_norm_sample(
+def compute_embeddingbag_norm_sq_sample(
     layer: nn.EmbeddingBag, activations: Sequence, backprops: torch.Tensor
 ) -> ParamDict:
     """Squared per-bag norms of ``nn.EmbeddingBag`` (modes ``"sum"``/``"mean"``) gradients,
@@ -361,7 +367,7 @@ def _register_dp_layers() -> None:
         from ..layers.dp_rnn import RNNLinear
     except ImportError:  # pragma: no cover - layers package not available
         return
-    register_norm_sampler(RNNLinear)(compute_linear_norm_sample)
+    register_norm_sampler(RNNLinear)(compute_linear_norm_sq_sample)
     register_clipped_sum(RNNLinear)(linear_clipped_sum)
     if SequenceBias in GRAD_SAMPLERS:
         register_norm_sampler(SequenceBias)(_norm_via(GRAD_SAMPLERS[SequenceBias]))

@@ -150,7 +150,7 @@ class AdaClipDPOptimizer(DPOptimizer):
             self.update_max_grad_norm()
         return done
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = False) -> None:
         """Also resets the counts, except after a skipped step (physical batch of a logical one)."""
         if not self._is_last_step_skipped:
             self.sample_size = 0

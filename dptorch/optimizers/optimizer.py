@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from ..grad_sample.gsm_base import _check_loss_reduction, clear_grad_sample
 from ..utils.randomness import generate_noise
+from .utils import params as optimizer_params
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,12 @@ def _generate_noise(
 ) -> torch.Tensor:
     """``N(0, std²)`` noise shaped like ``reference`` (OS CSPRNG when ``secure_mode``)."""
     return generate_noise(std, reference, generator=generator, secure_mode=secure_mode)
+
+
+def _has_nonzero_grad(p: torch.Tensor) -> bool:
+    """Whether ``p.grad`` holds a gradient: ``zero_grad(set_to_none=False)`` leaves zeros on a
+    parameter that the next backward pass may not reach, which is no gradient."""
+    return p.grad is not None and bool(p.grad.any())
 
 
 def _get_flat_grad_sample(p: torch.Tensor) -> torch.Tensor:
@@ -199,7 +206,7 @@ class DPOptimizer(Optimizer):
     @property
     def params(self) -> list[nn.Parameter]:
         """Trainable parameters of every param group."""
-        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        return optimizer_params(self)
 
     def _params_with_grad_sample(self) -> list[nn.Parameter]:
         """Parameters that took part in the backward pass(es) since the last step."""
@@ -207,7 +214,7 @@ class DPOptimizer(Optimizer):
         for p in self.params:
             if getattr(p, "grad_sample", None) is not None:
                 out.append(p)
-            elif p.grad is not None:
+            elif _has_nonzero_grad(p):
                 _get_flat_grad_sample(p)  # raises: a gradient without per-sample gradient
         return out
 
@@ -508,8 +515,9 @@ class DPOptimizer(Optimizer):
             return self.original_optimizer.step()
         return None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears gradients and per-sample gradients; keeps ``summed_grad`` after a skipped step
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Clears gradients (``p.grad`` zeroed, or ``None`` with ``set_to_none=True``) and removes
+        per-sample gradients whatever ``set_to_none``; keeps ``summed_grad`` after a skipped step
         so that physical batches accumulate into one logical batch."""
         for p in self.params:
             clear_grad_sample(p)

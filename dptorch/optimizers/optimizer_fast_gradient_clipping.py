@@ -18,9 +18,9 @@ import logging
 
 import torch
 
-from ..grad_sample.grad_sample_module_fast_gradient_clipping import FAST_PASSES_ATTR
+from ..grad_sample.gsm_base import FAST_PASSES_ATTR
 from .ddpoptimizer import DistributedDPOptimizerMixin
-from .optimizer import DPOptimizer
+from .optimizer import DPOptimizer, _has_nonzero_grad
 from .perlayeroptimizer import DPPerLayerOptimizer
 
 logger = logging.getLogger(__name__)
@@ -77,12 +77,13 @@ class DPOptimizerFastGradientClipping(DPOptimizer):
         return total.sqrt().unsqueeze(0)
 
     def clip_and_accumulate(self) -> None:
-        """``p.summed_grad += p.grad`` (the clipped sum left by the backward pass(es))."""
+        """``p.summed_grad += p.grad`` (the clipped sum left by the backward pass(es)), then
+        ``p.grad = None``: the sum is moved, so the next pass starts from no gradient."""
         counts = set()
         for p in self.params:
             passes = getattr(p, FAST_PASSES_ATTR, None)
             if passes is None:
-                if p.grad is not None:
+                if _has_nonzero_grad(p):
                     raise ValueError(
                         "A parameter has a gradient that no fast-clipping backward pass produced: "
                         "with grad_sample_mode='ghost' call backward() on the loss returned by "
@@ -93,6 +94,9 @@ class DPOptimizerFastGradientClipping(DPOptimizer):
             counts.add(passes)
             g = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
             self._add_to_summed_grad(p, g)
+            # moved, not copied: ``summed_grad`` may share ``g``'s storage, which a later
+            # ``zero_grad(set_to_none=False)`` would otherwise zero in place
+            p.grad = None
             delattr(p, FAST_PASSES_ATTR)
         if len(counts) > 1:
             raise ValueError(
@@ -110,16 +114,6 @@ class DPOptimizerFastGradientClipping(DPOptimizer):
     clip = _manual_unsupported
     accumulate_batch = _manual_unsupported
     accum_grads_across_passes = _manual_unsupported
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As :meth:`DPOptimizer.zero_grad`, also forgetting the fast-clipping pass markers."""
-        for p in self.params:
-            if p.grad is not None and p.grad is p.summed_grad:  # never zero the kept sum in place
-                p.grad = None
-            for attr in (FAST_PASSES_ATTR, "_norm_sample"):
-                if hasattr(p, attr):
-                    delattr(p, attr)
-        super().zero_grad(set_to_none)
 
 
 class DPPerLayerOptimizerFastGradientClipping(DPOptimizerFastGradientClipping, DPPerLayerOptimizer):

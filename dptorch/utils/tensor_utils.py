@@ -77,14 +77,18 @@ def unfold1d(x: torch.Tensor, kernel_size, *, padding=0, stride=1, dilation=1) -
     return unfold_nd(x, kernel_size, padding=padding, stride=stride, dilation=dilation)
 
 
-def unfold2d(x: torch.Tensor, kernel_size, *, padding=0, stride=1, dilation=1) -> torch.Tensor:
+def unfold2d(
+    input: torch.Tensor, kernel_size, *, padding=0, stride=1, dilation=1
+) -> torch.Tensor:
     """:func:`unfold_nd` for ``(B, C, H, W)`` (``F.unfold``): returns ``(B, C * kh * kw, L)``."""
-    return unfold_nd(x, kernel_size, padding=padding, stride=stride, dilation=dilation)
+    return unfold_nd(input, kernel_size, padding=padding, stride=stride, dilation=dilation)
 
 
-def unfold3d(x: torch.Tensor, kernel_size, *, padding=0, stride=1, dilation=1) -> torch.Tensor:
+def unfold3d(
+    tensor: torch.Tensor, kernel_size, *, padding=0, stride=1, dilation=1
+) -> torch.Tensor:
     """:func:`unfold_nd` for ``(B, C, D, H, W)``: returns ``(B, C * kd * kh * kw, L)``."""
-    return unfold_nd(x, kernel_size, padding=padding, stride=stride, dilation=dilation)
+    return unfold_nd(tensor, kernel_size, padding=padding, stride=stride, dilation=dilation)
 
 
 def sum_over_all_but_batch_and_last_n_dims(t: torch.Tensor, n_dims: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ defaults must match; dptorch may add keyword-only parameters with defaults.
 
 Every known difference is listed in ``KNOWN`` with its reason: ``deliberate`` ones are allowed
 (the exact differences, so a new one still fails), ``pending`` ones are gaps routed to the owner
-of that area and run as strict xfails, so they start failing once fixed (then delete the entry).
+of that area and ``absent`` ones are names dptorch deliberately does not provide; both run as
+strict xfails, so they start failing once fixed (then delete the entry).
 """
 
 from __future__ import annotations
@@ -63,8 +64,32 @@ CURATED: list[tuple[str, str, str | None]] = [
         "GradSampleModuleFastGradientClipping",
         "__init__",
     ),
+    *(
+        ("opacus.grad_sample.grad_sample_module", "GradSampleModule", m)
+        for m in ("cleanup", "set_grad_sample_to_none", "iterate_submodules", "remove_hooks")
+    ),
+    *(
+        ("opacus.grad_sample.gsm_base", "AbstractGradSampleModule", m)
+        for m in ("zero_grad", "cleanup", "set_grad_sample_to_none", "remove_hooks")
+    ),
+    ("opacus.grad_sample.grad_sample_module", "create_or_accumulate_grad_sample", None),
+    ("opacus.grad_sample.grad_sample_module", "promote_current_grad_sample", None),
     ("opacus.grad_sample.utils", "get_gsm_class", None),
+    ("opacus.grad_sample.utils", "get_hooks_class", None),
     ("opacus.grad_sample.utils", "wrap_model", None),
+    ("opacus.grad_sample.utils", "prepare_module", None),
+    # grad / norm samplers and torch.func helpers under their Opacus names
+    ("opacus.grad_sample.linear", "compute_linear_grad_sample", None),
+    ("opacus.grad_sample.linear", "compute_linear_norm_sample", None),
+    ("opacus.grad_sample.conv", "compute_conv_grad_sample", None),
+    ("opacus.grad_sample.conv", "convolution2d_backward_as_a_convolution", None),
+    ("opacus.grad_sample.embedding", "compute_embedding_grad_sample", None),
+    ("opacus.grad_sample.embedding", "compute_embeddingbag_gradsampler", None),
+    ("opacus.grad_sample.embedding", "compute_embedding_norm_sample", None),
+    ("opacus.grad_sample.embedding_norm_sample", "compute_embedding_norm_sample", None),
+    ("opacus.grad_sample.dp_rnn", "compute_rnn_linear_grad_sample", None),
+    ("opacus.grad_sample.functorch", "make_functional", None),
+    ("opacus.grad_sample.functorch", "prepare_layer", None),
     ("opacus.grad_sample.utils", "register_grad_sampler", None),
     ("opacus.grad_sample.utils", "register_norm_sampler", None),
     # optimizers
@@ -93,10 +118,24 @@ CURATED: list[tuple[str, str, str | None]] = [
         "__init__",
     ),
     ("opacus.optimizers", "get_optimizer_class", None),
+    ("opacus.optimizers.utils", "params", None),
+    *(
+        (f"opacus.optimizers.{mod}", cls, "zero_grad")
+        for mod, cls in (
+            ("perlayeroptimizer", "DPPerLayerOptimizer"),
+            ("adaclipoptimizer", "AdaClipDPOptimizer"),
+            ("ddpoptimizer", "DistributedDPOptimizer"),
+            ("optimizer_fast_gradient_clipping", "DPOptimizerFastGradientClipping"),
+        )
+    ),
     # data
     ("opacus.data_loader", "DPDataLoader", "__init__"),
     ("opacus.data_loader", "DPDataLoader", "from_data_loader"),
     ("opacus.data_loader", "switch_generator", None),
+    ("opacus.data_loader", "CollateFnWithEmpty", "__init__"),
+    ("opacus.data_loader", "wrap_collate_with_empty", None),
+    ("opacus.data_loader", "shape_safe", None),
+    ("opacus.data_loader", "dtype_safe", None),
     ("opacus.utils.batch_memory_manager", "BatchMemoryManager", "__init__"),
     ("opacus.utils.batch_memory_manager", "BatchSplittingSampler", "__init__"),
     ("opacus.utils.batch_memory_manager", "wrap_data_loader", None),
@@ -171,13 +210,9 @@ CURATED: list[tuple[str, str, str | None]] = [
     ("opacus.utils.tensor_utils", "calc_sample_norms_one_layer", None),
     ("opacus.utils.tensor_utils", "sum_over_all_but_batch_and_last_n", None),
     ("opacus.utils.tensor_utils", "filter_dilated_rows", None),
+    ("opacus.utils.tensor_utils", "unfold2d", None),
+    ("opacus.utils.tensor_utils", "unfold3d", None),
 ]
-
-_ZERO_GRAD_PENDING = (
-    "pending",
-    "Opacus defaults set_to_none=False; routed to the optimizer/GSM owners",
-    ["'set_to_none': default True (expected False)"],
-)
 
 # key "module:Name.member" (or "module:func") -> (status, reason, exact differences)
 KNOWN: dict[str, tuple[str, str, list[str]]] = {
@@ -195,13 +230,17 @@ KNOWN: dict[str, tuple[str, str, list[str]]] = {
         "criterion=None: see make_private",
         ["'criterion': default None (expected CrossEntropyLoss())"],
     ),
-    "opacus.grad_sample.grad_sample_module:GradSampleModule.zero_grad": _ZERO_GRAD_PENDING,
-    "opacus.optimizers.optimizer:DPOptimizer.zero_grad": _ZERO_GRAD_PENDING,
-    "opacus.grad_sample.utils:wrap_model": (
-        "pending",
-        "Opacus: wrap_model(model, grad_sample_mode, wrap_model=True, *args, **kwargs); routed "
-        "to the grad-sample owner",
-        ["missing parameter 'wrap_model' (absorbed by **kwargs)", "missing *args"],
+    "opacus.grad_sample.conv:convolution2d_backward_as_a_convolution": (
+        "absent",
+        "compute_conv_grad_sample gives the same per-sample gradients (unfold); a second "
+        "algorithm for the same numbers would be duplicated logic",
+        [],
+    ),
+    "opacus.grad_sample.utils:get_hooks_class": (
+        "absent",
+        "dptorch's hooks live in the GradSampleModule wrapper: there is no separate hooks class "
+        "(prepare_module(..., wrap_model=False) raises NotImplementedError)",
+        [],
     ),
     "opacus.optimizers.ddpoptimizer:DistributedDPOptimizer.__init__": (
         "deliberate",
@@ -255,7 +294,7 @@ def _cases():
         key = f"{module}:{name}" + (f".{member}" if member else "")
         marks = []
         known = KNOWN.get(key)
-        if known and known[0] == "pending":
+        if known and known[0] in ("pending", "absent"):
             marks.append(pytest.mark.xfail(reason=known[1], strict=True))
         yield pytest.param(module, name, member, key, id=key, marks=marks)
 
@@ -297,16 +336,20 @@ TOP_LEVEL_MODULES = [
 
 # Public names of those modules dptorch does not provide, with the reason.
 MISSING_OK: dict[str, str] = {
-    "opacus.grad_sample:AbstractGradSampleHooks": "pending: hooks/module split, grad-sample owner",
-    "opacus.grad_sample:GradSampleHooks": "pending: hooks/module split, grad-sample owner",
-    "opacus.grad_sample:GradSampleHooksFastGradientClipping": "pending: fast-clipping owner",
-    "opacus.grad_sample:GradSampleHooksNoOp": "pending: hooks/module split, grad-sample owner",
+    **{
+        f"opacus.grad_sample:{name}": "deliberate: dptorch's hooks live in the GradSampleModule "
+        "wrapper, there are no separate hooks classes (wrap_model=False raises)"
+        for name in (
+            "AbstractGradSampleHooks",
+            "GradSampleHooks",
+            "GradSampleHooksFastGradientClipping",
+            "GradSampleHooksNoOp",
+        )
+    },
     "opacus.grad_sample:GradSampleHooksFastGradientClippingFSDP": "FSDP not supported",
     "opacus.grad_sample:GradSampleModuleFastGradientClippingFSDP": "FSDP not supported",
     "opacus.grad_sample:GradSampleHooksFastGradientClippingTP": "tensor parallel not supported",
     "opacus.grad_sample:GradSampleModuleFastGradientClippingTP": "tensor parallel not supported",
-    "opacus.grad_sample:create_or_accumulate_grad_sample": "pending: grad-sample owner",
-    "opacus.grad_sample:prepare_module": "pending: grad-sample owner",
     "opacus.optimizers:FSDPOptimizerFastGradientClipping": "FSDP not supported",
 }
 
