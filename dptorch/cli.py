@@ -9,60 +9,31 @@ adds its parser to the ``argparse`` sub-parsers object and sets ``handler`` (a f
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 
 from .accountants import create_accountant, get_noise_multiplier
 from .accountants.registry import available_accountants
+from .scripts.argtypes import (
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    unit_half_open,
+    unit_open,
+)
 
 _ALL = "all"
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    value = float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _unit_open(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1), got {text}")
-    return value
-
-
-def _unit_half_open(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
 def _add_schedule_args(p: argparse.ArgumentParser, default_accountant: str) -> None:
-    p.add_argument("--sample-rate", type=_unit_half_open, required=True,
+    p.add_argument("--sample-rate", type=unit_half_open, required=True,
                    help="probability q that a record is in a batch (batch size / dataset size)")
     length = p.add_mutually_exclusive_group(required=True)
-    length.add_argument("--epochs", type=_positive_float,
+    length.add_argument("--epochs", type=positive_float,
                         help="training epochs; steps = int(epochs / sample-rate)")
-    length.add_argument("--steps", type=_positive_int, help="number of optimizer steps")
-    p.add_argument("--delta", type=_unit_open, required=True, help="target delta, in (0, 1)")
+    length.add_argument("--steps", type=positive_int, help="number of optimizer steps")
+    p.add_argument("--delta", type=unit_open, required=True, help="target delta, in (0, 1)")
     p.add_argument("--accountant", default=default_accountant,
                    choices=[*available_accountants(), _ALL],
                    help=f"accounting method, or 'all' (default: {default_accountant})")
@@ -111,7 +82,7 @@ def _add_privacy(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("privacy", help="epsilon spent by a DP-SGD schedule",
                               description="Print the epsilon spent by DP-SGD with the given "
                                           "noise multiplier and schedule, per accountant.")
-    p.add_argument("--noise-multiplier", type=_nonnegative_float, required=True,
+    p.add_argument("--noise-multiplier", type=nonnegative_float, required=True,
                    help="noise standard deviation divided by the clipping norm (sigma >= 0)")
     _add_schedule_args(p, default_accountant=_ALL)
     p.set_defaults(handler=_run_privacy)
@@ -121,9 +92,9 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("calibrate", help="noise multiplier for a target epsilon",
                               description="Print the smallest noise multiplier whose epsilon "
                                           "does not exceed the target, per accountant.")
-    p.add_argument("--target-epsilon", type=_positive_float, required=True,
+    p.add_argument("--target-epsilon", type=positive_float, required=True,
                    help="privacy budget epsilon to reach (> 0)")
-    p.add_argument("--tolerance", type=_positive_float, default=0.01,
+    p.add_argument("--tolerance", type=positive_float, default=0.01,
                    help="tolerance on sigma and epsilon of the search (default: 0.01)")
     _add_schedule_args(p, default_accountant="prv")
     p.set_defaults(handler=_run_calibrate)
@@ -143,9 +114,17 @@ SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
 }
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad argument as one line (``dptorch CMD: error: ...``) and exits with 2;
+    ``--help`` shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(prog="dptorch", description="dptorch command line tools.")
+    parser = _OneLineErrorParser(prog="dptorch", description="dptorch command line tools.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in SUBCOMMANDS.values():
         register(subparsers)

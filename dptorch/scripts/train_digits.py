@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from .argtypes import positive_float, positive_int, unit_open
+
 logger = logging.getLogger(__name__)
 
 MODELS = ("cnn", "mlp", "linear")
@@ -238,27 +240,6 @@ def summary(result: RunResult) -> str:
 
 
 # ---------------------------------------------------------------------- command line
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Registers ``train-digits`` on the ``dptorch`` command line."""
     p = subparsers.add_parser(
@@ -268,14 +249,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(make_private_with_epsilon), show progress, and print test accuracy of the DP and the "
         "non-private model, epsilon, sigma, C, epochs and wall time.",
     )
-    p.add_argument("--epsilon", type=_positive_float, default=3.0, help="target epsilon (default 3)")
-    p.add_argument("--delta", type=_probability, default=1e-5, help="target delta (default 1e-5)")
-    p.add_argument("--epochs", type=_positive_int, default=20, help="epochs (default 20)")
-    p.add_argument("--batch-size", type=_positive_int, default=256,
+    p.add_argument("--epsilon", type=positive_float, default=3.0, help="target epsilon (default 3)")
+    p.add_argument("--delta", type=unit_open, default=1e-5, help="target delta (default 1e-5)")
+    p.add_argument("--epochs", type=positive_int, default=20, help="epochs (default 20)")
+    p.add_argument("--batch-size", type=positive_int, default=256,
                    help="expected (Poisson) batch size (default 256)")
-    p.add_argument("--max-grad-norm", type=_positive_float, default=0.2,
+    p.add_argument("--max-grad-norm", type=positive_float, default=0.2,
                    help="per-sample clipping norm C (default 0.2)")
-    p.add_argument("--lr", type=_positive_float, default=0.05, help="Adam learning rate (default 0.05)")
+    p.add_argument("--lr", type=positive_float, default=0.05, help="Adam learning rate (default 0.05)")
     p.add_argument("--model", choices=MODELS, default="linear",
                    help="architecture (default linear = softmax regression)")
     p.add_argument("--accountant", choices=("prv", "pld", "rdp", "gdp"), default="prv",

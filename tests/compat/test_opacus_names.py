@@ -237,7 +237,7 @@ def test_make_functional():
 def test_prepare_layer_matches_the_grad_sampler(batch_first):
     layer = nn.Linear(4, 3)
     prepare_layer(layer, batch_first=batch_first)
-    a, g = torch.randn(5, 4), torch.randn(5, 3)
+    a, g = torch.randn(5, 7, 4), torch.randn(5, 7, 3)  # batch first, as the samplers get them
     w, b = layer.ft_compute_sample_grad(list(layer.parameters()), a, g)
     expected = compute_linear_grad_sample(layer, [a], g)
     torch.testing.assert_close(w, expected[layer.weight])
