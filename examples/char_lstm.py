@@ -144,12 +144,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="target epsilon: calibrate sigma with make_private_with_epsilon")
     p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping norm C")
-    p.add_argument("--lr", type=float, default=2.0, help="SGD learning rate")
+    p.add_argument("--lr", type=float, default=4.0, help="SGD learning rate")
     p.add_argument("--batch-size", type=int, default=256,
                    help="expected (Poisson) logical batch size")
     p.add_argument("--max-physical-batch-size", type=int, default=None,
                    help="bound memory with BatchMemoryManager")
-    p.add_argument("--names-per-class", type=int, default=250)
+    p.add_argument("--names-per-class", type=int, default=400)
     p.add_argument("--classes", type=int, default=18)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--accountant", choices=("prv", "rdp", "gdp", "pld"), default="prv")
