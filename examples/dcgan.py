@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -163,8 +164,12 @@ def main(argv: list[str] | None = None) -> float:
                 loss_real.backward()
                 loss_d = loss_d + loss_real.detach()
             if n_fake > 0:
-                loss_fake = bce(netD(fake), torch.zeros(n_fake))
-                loss_fake.backward()
+                # split: n_fake is fixed and the latents are fresh noise, so this pass does not
+                # depend on the private data: declare it public (basic pairs it with the real one)
+                public = netD.public_pass() if args.clipping == "split" else nullcontext()
+                with public:
+                    loss_fake = bce(netD(fake), torch.zeros(n_fake))
+                    loss_fake.backward()
                 loss_d = loss_d + loss_fake.detach()
             optD.step()
             # ---- generator: through D, with D recording nothing

@@ -14,6 +14,7 @@ longest pass are zero-padded (a zero per-sample gradient contributes nothing aft
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Iterator
@@ -104,6 +105,8 @@ class GradSampleModule(AbstractGradSampleModule):
         for e in errors:
             logger.warning("GradSampleModule: %s", e)
         self.multi_pass = multi_pass
+        self._public_depth = 0
+        self._pass_public: list[bool] = []
         self.hooks_enabled = False
         self.forward_hooks_enabled = True
         self.backward_hooks_enabled = True
@@ -170,6 +173,21 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def enable_backward_hooks(self) -> None:
         self.backward_hooks_enabled = True
+
+    @contextlib.contextmanager
+    def public_pass(self):
+        """Multi-pass mode: the backward passes run inside this block are declared *public*: they
+        do not depend on the private data, nor does their batch size (e.g. a fixed number of
+        generated samples). Split clipping (``accum_passes=False``) only counts the other passes
+        against ``num_private_passes``; see docs/multi_pass.md.
+        """
+        if not self.multi_pass:
+            raise ValueError("public_pass() only applies to GradSampleModule(multi_pass=True).")
+        self._public_depth += 1
+        try:
+            yield self
+        finally:
+            self._public_depth -= 1
 
     # ------------------------------------------------------------------ capture
     def _forward_hook(self, module, args, kwargs, output):
@@ -321,6 +339,8 @@ class GradSampleModule(AbstractGradSampleModule):
                     "the hooks off (GradSampleModule.disable_backward_hooks()), or before clip()."
                 )
         pass_idx = max((len(getattr(p, "_grad_sample_passes", ())) for p in params), default=0)
+        self._pass_public = self._pass_public[:pass_idx] if pass_idx else []
+        self._pass_public.append(self._public_depth > 0)
         processed = any(hasattr(getattr(p, "grad_sample", None), "_processed") for p in params)
         touched = {id(p) for p in pending}
         for p in pending:
@@ -336,6 +356,7 @@ class GradSampleModule(AbstractGradSampleModule):
             if id(p) not in touched:
                 passes.extend([None] * (pass_idx + 1 - len(passes)))
             p.grad_sample = _stack_passes(p, passes)
+            p.grad_sample._pass_public = tuple(self._pass_public)
             if processed:
                 p.grad_sample._processed = True
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,26 +12,31 @@ from .registry import register_grad_sampler
 
 
 def per_channel_affine_grad_sample(
-    weight: nn.Parameter | None,
-    bias: nn.Parameter | None,
-    x_hat: torch.Tensor,
+    layer: nn.Module,
+    normalize: Callable[[], torch.Tensor],
     backprops: torch.Tensor,
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradients of a per-channel affine map ``y = x_hat * w[c] + b[c]``.
+    """Per-sample gradients of the per-channel affine map ``y = x_hat * w[c] + b[c]`` that ends a
+    normalisation layer with ``affine`` parameters ``layer.weight`` / ``layer.bias``.
 
     Args:
-        x_hat, backprops: ``(B, C, *spatial)``.
+        normalize: returns ``x_hat`` ``(B, C, *spatial)``, the input normalised without the
+            affine part; called only when the weight needs its per-sample gradient.
+        backprops: ``(B, C, *spatial)``.
 
     Returns:
-        ``{weight: (B, C), bias: (B, C)}`` for the parameters that require grad.
+        ``{weight: (B, C), bias: (B, C)}`` for the parameters that require grad (empty without
+        ``affine``).
     """
     ret: dict[nn.Parameter, torch.Tensor] = {}
+    if not layer.affine:
+        return ret
     spatial = tuple(range(2, backprops.dim()))
-    if weight is not None and weight.requires_grad:
-        prod = x_hat * backprops
-        ret[weight] = prod.sum(dim=spatial) if spatial else prod
-    if bias is not None and bias.requires_grad:
-        ret[bias] = backprops.sum(dim=spatial) if spatial else backprops
+    if layer.weight.requires_grad:
+        prod = normalize() * backprops
+        ret[layer.weight] = prod.sum(dim=spatial) if spatial else prod
+    if layer.bias.requires_grad:
+        ret[layer.bias] = backprops.sum(dim=spatial) if spatial else backprops
     return ret
 
 
@@ -48,9 +53,6 @@ def compute_group_norm_grad_sample(
     Returns:
         ``weight``, ``bias``: ``(B, C)``.
     """
-    if not layer.affine:
-        return {}
-    x_hat = None
-    if layer.weight.requires_grad:
-        x_hat = F.group_norm(activations[0], layer.num_groups, eps=layer.eps)
-    return per_channel_affine_grad_sample(layer.weight, layer.bias, x_hat, backprops)
+    return per_channel_affine_grad_sample(
+        layer, lambda: F.group_norm(activations[0], layer.num_groups, eps=layer.eps), backprops
+    )

@@ -38,7 +38,6 @@ def compute_instance_norm_grad_sample(
             f"{type(layer).__name__} per-sample gradients need a batched input (B, C, *spatial), "
             f"got shape {tuple(x.shape)}"
         )
-    x_hat = None
-    if layer.weight.requires_grad:
-        x_hat = F.instance_norm(x, eps=layer.eps)
-    return per_channel_affine_grad_sample(layer.weight, layer.bias, x_hat, backprops)
+    return per_channel_affine_grad_sample(
+        layer, lambda: F.instance_norm(x, eps=layer.eps), backprops
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +10,33 @@ from torch import nn
 
 from ..utils.tensor_utils import sum_over_all_but_batch_and_last_n_dims
 from .registry import register_grad_sampler
+
+
+def elementwise_affine_grad_sample(
+    weight: nn.Parameter | None,
+    bias: nn.Parameter | None,
+    normalize: Callable[[], torch.Tensor],
+    backprops: torch.Tensor,
+    n_dims: int,
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of the element-wise affine map ``y = x_hat * weight + bias`` over the
+    last ``n_dims`` dimensions that ends ``LayerNorm`` / ``RMSNorm``.
+
+    Args:
+        normalize: returns ``x_hat`` (shape of ``backprops``), the input normalised without the
+            affine part; called only when ``weight`` needs its per-sample gradient.
+        backprops: ``(B, *middle, *normalized_shape)``.
+
+    Returns:
+        ``weight``: ``sum_middle(backprops * x_hat)``; ``bias``: ``sum_middle(backprops)``; both
+        ``(B, *normalized_shape)``, for the parameters that exist and require grad.
+    """
+    ret: dict[nn.Parameter, torch.Tensor] = {}
+    if weight is not None and weight.requires_grad:
+        ret[weight] = sum_over_all_but_batch_and_last_n_dims(normalize() * backprops, n_dims)
+    if bias is not None and bias.requires_grad:
+        ret[bias] = sum_over_all_but_batch_and_last_n_dims(backprops, n_dims)
+    return ret
 
 
 @register_grad_sampler(nn.LayerNorm)
@@ -23,14 +50,13 @@ def compute_layer_norm_grad_sample(
         backprops: same shape as ``x``.
 
     Returns:
-        ``weight``: ``sum_middle(backprops * x_hat)``; ``bias``: ``sum_middle(backprops)``; both
-        ``(B, *normalized_shape)``, where ``x_hat`` is ``x`` normalised without the affine part.
+        ``weight``, ``bias``: ``(B, *normalized_shape)`` (see
+        :func:`elementwise_affine_grad_sample`).
     """
-    ret: dict[nn.Parameter, torch.Tensor] = {}
-    k = len(layer.normalized_shape)
-    if layer.weight is not None and layer.weight.requires_grad:
-        x_hat = F.layer_norm(activations[0], layer.normalized_shape, eps=layer.eps)
-        ret[layer.weight] = sum_over_all_but_batch_and_last_n_dims(x_hat * backprops, k)
-    if layer.bias is not None and layer.bias.requires_grad:
-        ret[layer.bias] = sum_over_all_but_batch_and_last_n_dims(backprops, k)
-    return ret
+    return elementwise_affine_grad_sample(
+        layer.weight,
+        layer.bias,
+        lambda: F.layer_norm(activations[0], layer.normalized_shape, eps=layer.eps),
+        backprops,
+        len(layer.normalized_shape),
+    )

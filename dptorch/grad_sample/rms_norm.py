@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..utils.tensor_utils import sum_over_all_but_batch_and_last_n_dims
+from .layer_norm import elementwise_affine_grad_sample
 from .registry import register_grad_sampler
 
 
@@ -26,8 +26,10 @@ def compute_rms_norm_grad_sample(
         ``weight``: ``sum_middle(backprops * x / rms(x))`` of shape ``(B, *normalized_shape)``
         (``eps=None`` means ``torch.finfo(x.dtype).eps``, as in PyTorch).
     """
-    if layer.weight is None or not layer.weight.requires_grad:
-        return {}
-    x_hat = F.rms_norm(activations[0], layer.normalized_shape, eps=layer.eps)
-    k = len(layer.normalized_shape)
-    return {layer.weight: sum_over_all_but_batch_and_last_n_dims(x_hat * backprops, k)}
+    return elementwise_affine_grad_sample(
+        layer.weight,
+        None,
+        lambda: F.rms_norm(activations[0], layer.normalized_shape, eps=layer.eps),
+        backprops,
+        len(layer.normalized_shape),
+    )

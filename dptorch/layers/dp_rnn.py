@@ -430,8 +430,43 @@ def _repack(padded: torch.Tensor, like: PackedSequence) -> PackedSequence:
     return PackedSequence(data, batch_sizes, like.sorted_indices, like.unsorted_indices)
 
 
-class DPRNN(DPRNNBase):
+class _DPRNNTorchSignature(DPRNNBase):
+    """A :class:`DPRNNBase` with the cell class fixed by the subclass (``cell_class``) and the
+    constructor arguments of the matching torch layer."""
+
+    cell_class: type[DPRNNCellBase]
+
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = False,
+        dropout: float = 0,
+        bidirectional: bool = False,
+        proj_size: int = 0,
+        *,
+        cell_params: dict | None = None,
+    ) -> None:
+        super().__init__(
+            self.cell_class,
+            input_size,
+            hidden_size,
+            num_layers=num_layers,
+            bias=bias,
+            batch_first=batch_first,
+            dropout=dropout,
+            bidirectional=bidirectional,
+            proj_size=proj_size,
+            cell_params=cell_params,
+        )
+
+
+class DPRNN(_DPRNNTorchSignature):
     """Drop-in replacement for ``nn.RNN`` with per-sample gradients (see :class:`DPRNNBase`)."""
+
+    cell_class = DPRNNCell
 
     def __init__(
         self,
@@ -446,70 +481,27 @@ class DPRNN(DPRNNBase):
         nonlinearity: str = "tanh",
     ) -> None:
         super().__init__(
-            DPRNNCell,
             input_size,
             hidden_size,
-            num_layers=num_layers,
-            bias=bias,
-            batch_first=batch_first,
-            dropout=dropout,
-            bidirectional=bidirectional,
-            proj_size=proj_size,
+            num_layers,
+            bias,
+            batch_first,
+            dropout,
+            bidirectional,
+            proj_size,
             cell_params={"nonlinearity": nonlinearity},
         )
         self.nonlinearity = nonlinearity
 
 
-class DPGRU(DPRNNBase):
+class DPGRU(_DPRNNTorchSignature):
     """Drop-in replacement for ``nn.GRU`` with per-sample gradients (see :class:`DPRNNBase`)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int = 1,
-        bias: bool = True,
-        batch_first: bool = False,
-        dropout: float = 0,
-        bidirectional: bool = False,
-        proj_size: int = 0,
-    ) -> None:
-        super().__init__(
-            DPGRUCell,
-            input_size,
-            hidden_size,
-            num_layers=num_layers,
-            bias=bias,
-            batch_first=batch_first,
-            dropout=dropout,
-            bidirectional=bidirectional,
-            proj_size=proj_size,
-        )
+    cell_class = DPGRUCell
 
 
-class DPLSTM(DPRNNBase):
+class DPLSTM(_DPRNNTorchSignature):
     """Drop-in replacement for ``nn.LSTM`` (``proj_size`` included) with per-sample gradients
     (see :class:`DPRNNBase`)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int = 1,
-        bias: bool = True,
-        batch_first: bool = False,
-        dropout: float = 0,
-        bidirectional: bool = False,
-        proj_size: int = 0,
-    ) -> None:
-        super().__init__(
-            DPLSTMCell,
-            input_size,
-            hidden_size,
-            num_layers=num_layers,
-            bias=bias,
-            batch_first=batch_first,
-            dropout=dropout,
-            bidirectional=bidirectional,
-            proj_size=proj_size,
-        )
+    cell_class = DPLSTMCell

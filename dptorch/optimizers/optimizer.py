@@ -157,7 +157,6 @@ class DPOptimizer(Optimizer):
         self._step_skip_queue: list[bool] = []
         self._is_last_step_skipped = False
         self._manual_stage = 0  # 0: nothing done, 1: clipped, 2: folded, 3: accumulated
-        self._warned_public_passes = False
         self._folded_passes = 0
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
@@ -272,11 +271,11 @@ class DPOptimizer(Optimizer):
           on it), and ``accum_passes`` needs them (else the model is not in multi-pass mode);
         * ``accum_passes=True`` pairs the passes by sample index, which is only sound when every
           pass has the same batch size (docs/multi_pass.md);
-        * split clipping with more passes than ``num_private_passes`` relies on the extra passes
-          being independent of the private data: said once in the log.
+        * split clipping: the passes not declared public (``GradSampleModule.public_pass()``)
+          must not outnumber ``num_private_passes``, which the noise is calibrated to.
         """
         sizes: set[int] = set()
-        n_passes = 0
+        n_private = 0
         for p in params:
             gs = p.grad_sample
             multi = isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2
@@ -294,7 +293,8 @@ class DPOptimizer(Optimizer):
                     "multi_pass=True) or call make_private(..., multi_pass=True)."
                 )
             if multi:
-                n_passes = max(n_passes, gs.shape[0])
+                public = getattr(gs, "_pass_public", ())
+                n_private = max(n_private, gs.shape[0] - sum(public))
                 sizes.update(b for b in getattr(gs, "_pass_batch_sizes", ()) if b is not None)
         if self.accum_passes and len(sizes) > 1:
             raise ValueError(
@@ -304,21 +304,13 @@ class DPOptimizer(Optimizer):
                 "samples as the real batch (e.g. generate len(real_batch) fake samples), see "
                 "docs/multi_pass.md. Otherwise use accum_passes=False (split clipping)."
             )
-        if (
-            self.accum_passes is False
-            and n_passes > self.num_private_passes
-            and not self._warned_public_passes
-        ):
-            self._warned_public_passes = True
-            logger.warning(
-                "Split clipping: %d backward passes were recorded but num_private_passes=%d. The "
-                "noise only covers %d private pass(es): every other pass must not depend on the "
-                "private data, and its batch size must not depend on the private batch (e.g. a "
-                "fixed number of generated samples). Otherwise raise num_private_passes. See "
-                "docs/multi_pass.md.",
-                n_passes,
-                self.num_private_passes,
-                self.num_private_passes,
+        if self.accum_passes is False and n_private > self.num_private_passes:
+            raise ValueError(
+                f"Split clipping: {n_private} backward passes may touch private data but "
+                f"num_private_passes={self.num_private_passes}, so the noise would not cover "
+                "them. Run each pass that depends neither on the private data nor on its batch "
+                "size (e.g. a fixed number of generated samples) inside `with "
+                "model.public_pass():`, or raise num_private_passes. See docs/multi_pass.md."
             )
 
     def per_sample_norms(self, unit_grads=None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from .randomness import secure_uniform
+from ._poisson import check_secure_generator, poisson_mask, resolve_steps, validate_sample_rate
 
 _SEED_BOUND = 2**63 - 1
 
@@ -68,17 +68,10 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
         rank: int | None = None,
         secure_mode: bool = False,
     ):
-        # imported here: uniform_sampler re-exports this class at its end
-        from .uniform_sampler import steps_for_sample_rate, validate_sample_rate
-
         if isinstance(total_size, bool) or not isinstance(total_size, int) or total_size <= 0:
             raise ValueError(f"total_size must be a positive integer, got {total_size!r}")
         validate_sample_rate(sample_rate)
-        if secure_mode and generator is not None:
-            raise ValueError(
-                "secure_mode draws batches from the OS CSPRNG and cannot take a seeded generator; "
-                "pass generator=None."
-            )
+        check_secure_generator(secure_mode, generator)
         if num_replicas is None or rank is None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError(
@@ -89,8 +82,7 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
             rank = dist.get_rank() if rank is None else rank
         if not (0 <= rank < num_replicas):
             raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
-        if steps is not None and (not isinstance(steps, int) or steps <= 0):
-            raise ValueError(f"steps must be a positive integer or None, got {steps!r}")
+        self.steps = resolve_steps(steps, sample_rate)
         self.total_size = total_size
         self.sample_rate = sample_rate
         self.shuffle = shuffle
@@ -101,7 +93,6 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
         self.secure_mode = secure_mode
         self.generator = generator
         self.num_samples = len(range(rank, total_size, num_replicas))
-        self.steps = steps if steps is not None else steps_for_sample_rate(sample_rate)
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -128,11 +119,9 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
 
     def sample_mask(self) -> torch.Tensor:
         """One step's inclusion mask over this rank's shard (independent Bernoulli(q))."""
-        if self.secure_mode:
-            u = secure_uniform((self.num_samples,))
-        else:
-            u = torch.rand(self.num_samples, generator=self.rank_generator, dtype=torch.float64)
-        return u < self.sample_rate
+        return poisson_mask(
+            self.num_samples, self.sample_rate, self.rank_generator, self.secure_mode
+        )
 
     def __iter__(self) -> Iterator[list[int]]:
         indices = self.shard()

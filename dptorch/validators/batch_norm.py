@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from .errors import ShouldReplaceModuleError, UnsupportedModuleError
-from .utils import register_module_fixer, register_module_validator
+from .utils import copy_norm_state, register_module_fixer, register_module_validator
 
 BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _INSTANCENORM = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
@@ -53,15 +52,7 @@ def fix(module: nn.modules.batchnorm._BatchNorm, **kwargs) -> nn.Module:
     else:
         num_groups = _num_groups(module, kwargs.get("num_groups"))
         new = nn.GroupNorm(num_groups, c, eps=module.eps, affine=module.affine)
-    if module.affine:
-        with torch.no_grad():
-            new.weight.copy_(module.weight)
-            new.bias.copy_(module.bias)
-        new.weight.requires_grad_(module.weight.requires_grad)
-        new.bias.requires_grad_(module.bias.requires_grad)
-        new.to(device=module.weight.device, dtype=module.weight.dtype)
-    new.train(module.training)
-    return new
+    return copy_norm_state(module, new)
 
 
 def _num_groups(module, num_groups: int | Callable[[int], int] | None) -> int:

@@ -4,11 +4,10 @@ it always uses the per-instance statistics)."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .errors import IllegalModuleConfigurationError, UnsupportedModuleError
-from .utils import register_module_fixer, register_module_validator
+from .utils import copy_norm_state, register_module_fixer, register_module_validator
 
 INSTANCENORM = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
@@ -36,12 +35,4 @@ def fix(module: nn.modules.instancenorm._InstanceNorm, **kwargs) -> nn.Module:
         affine=module.affine,
         track_running_stats=False,
     )
-    if module.affine:
-        with torch.no_grad():
-            new.weight.copy_(module.weight)
-            new.bias.copy_(module.bias)
-        new.weight.requires_grad_(module.weight.requires_grad)
-        new.bias.requires_grad_(module.bias.requires_grad)
-        new.to(device=module.weight.device, dtype=module.weight.dtype)
-    new.train(module.training)
-    return new
+    return copy_norm_state(module, new)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
+from torch import nn
+
 from .module_validator import ModuleValidator
 
 # The validator class the decorators register with unless told otherwise (Opacus name).
@@ -16,13 +19,8 @@ def _targets(target_class_or_classes) -> list[type]:
     return list(target_class_or_classes)
 
 
-def register_module_validator(
-    target_class_or_classes: type | Sequence[type],
-    validator_class: type | None = DEFAULT_MODULE_VALIDATOR,
-) -> Callable:
-    """Registers ``f(module) -> list[UnsupportedModuleError]`` as the rule for modules of exactly
-    the given type(s). ``validator_class`` defaults to :class:`ModuleValidator`."""
-    table = (validator_class or ModuleValidator).VALIDATORS
+def _registering_decorator(table: dict, target_class_or_classes) -> Callable:
+    """A decorator storing the decorated function in ``table`` under each target class."""
 
     def decorator(f: Callable) -> Callable:
         for t in _targets(target_class_or_classes):
@@ -30,6 +28,17 @@ def register_module_validator(
         return f
 
     return decorator
+
+
+def register_module_validator(
+    target_class_or_classes: type | Sequence[type],
+    validator_class: type | None = DEFAULT_MODULE_VALIDATOR,
+) -> Callable:
+    """Registers ``f(module) -> list[UnsupportedModuleError]`` as the rule for modules of exactly
+    the given type(s). ``validator_class`` defaults to :class:`ModuleValidator`."""
+    return _registering_decorator(
+        (validator_class or ModuleValidator).VALIDATORS, target_class_or_classes
+    )
 
 
 def register_module_fixer(
@@ -38,11 +47,20 @@ def register_module_fixer(
 ) -> Callable:
     """Registers ``f(module, **kwargs) -> nn.Module`` returning the replacement of a module of
     exactly the given type(s). ``validator_class`` defaults to :class:`ModuleValidator`."""
-    table = (validator_class or ModuleValidator).FIXERS
+    return _registering_decorator(
+        (validator_class or ModuleValidator).FIXERS, target_class_or_classes
+    )
 
-    def decorator(f: Callable) -> Callable:
-        for t in _targets(target_class_or_classes):
-            table[t] = f
-        return f
 
-    return decorator
+def copy_norm_state(old: nn.Module, new: nn.Module) -> nn.Module:
+    """Gives ``new`` (a replacement normalisation layer) the affine parameters of ``old``
+    (values, ``requires_grad``, device and dtype) and its training mode; returns ``new``."""
+    if old.affine:
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            new.bias.copy_(old.bias)
+        new.weight.requires_grad_(old.weight.requires_grad)
+        new.bias.requires_grad_(old.bias.requires_grad)
+        new.to(device=old.weight.device, dtype=old.weight.dtype)
+    new.train(old.training)
+    return new

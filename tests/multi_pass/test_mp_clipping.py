@@ -113,11 +113,38 @@ def test_validate_multi_pass_args(multi_pass, accum, k, ok):
             validate_multi_pass_args(multi_pass, accum, k)
 
 
-def test_split_with_public_passes_is_logged(caplog):
+def test_split_refuses_undeclared_extra_passes():
+    """Two passes, noise calibrated to one: refused unless the other pass is declared public."""
     model = make_disc()
     gsm = GradSampleModule(model, multi_pass=True, loss_reduction="sum")
     opt = make_optimizer(gsm, accum_passes=False, num_private_passes=1)
     run_passes(gsm, _passes((3, 4)))
-    with caplog.at_level("WARNING", logger="dptorch.optimizers.optimizer"):
+    with pytest.raises(ValueError, match="num_private_passes=1"):
         opt.step()
-    assert "num_private_passes=1" in caplog.text
+
+
+def test_split_counts_only_non_public_passes():
+    real, fake = _passes((3, 4))
+    model = make_disc()
+    gsm = GradSampleModule(model, multi_pass=True, loss_reduction="sum")
+    opt = make_optimizer(gsm, accum_passes=False, num_private_passes=1, max_grad_norm=0.5)
+    run_passes(gsm, [real])
+    with gsm.public_pass():
+        run_passes(gsm, [fake])
+    assert model[0].weight.grad_sample._pass_public == (False, True)
+    opt.clip_and_accumulate()  # accepted: one private pass
+    ref = reference_sum(make_disc(), [real, fake], 0.5, False)
+    for p, r in zip(model.parameters(), ref):
+        torch.testing.assert_close(p.summed_grad, r, rtol=1e-9, atol=1e-12)
+    opt.zero_grad()
+    # the declaration lasts one pass: a new step starts undeclared
+    run_passes(gsm, [real, fake])
+    with pytest.raises(ValueError, match="public_pass"):
+        opt.clip_and_accumulate()
+
+
+def test_public_pass_needs_multi_pass():
+    gsm = GradSampleModule(make_disc())
+    with pytest.raises(ValueError, match="multi_pass"):
+        with gsm.public_pass():
+            pass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from scipy import stats
@@ -27,8 +29,10 @@ def _noise_only_step(accum: bool, k: int, sigma: float, c: float, n_passes: int)
         generator=torch.Generator().manual_seed(123),
         **kw,
     )
-    for _ in range(n_passes):
-        (0.0 * gsm(torch.randn(4, 60, dtype=torch.float64))).sum().backward()
+    for i in range(n_passes):
+        public = not accum and i >= k  # passes beyond the k private ones are declared public
+        with gsm.public_pass() if public else contextlib.nullcontext():
+            (0.0 * gsm(torch.randn(4, 60, dtype=torch.float64))).sum().backward()
     opt.step()
     return torch.cat([p.grad.flatten() for p in model.parameters()]), opt
 

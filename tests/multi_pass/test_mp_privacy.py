@@ -9,6 +9,8 @@ same one with one extra sample inserted at the same index as the extra real reco
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,8 +26,9 @@ def pre_noise_sum(passes, accum: bool, k: int | None, c: float):
     gsm = GradSampleModule(model, multi_pass=True, loss_reduction="sum")
     kw = {"accum_passes": True} if accum else {"accum_passes": False, "num_private_passes": k}
     opt = make_optimizer(gsm, max_grad_norm=c, noise_multiplier=1.0, **kw)
-    for x, s in passes:
-        (s * gsm(x).sum()).backward()
+    for x, s, public in passes:
+        with gsm.public_pass() if public else contextlib.nullcontext():
+            (s * gsm(x).sum()).backward()
     opt.clip_and_accumulate()
     flat = torch.cat(
         [
@@ -41,17 +44,18 @@ def _insert(t: torch.Tensor, row: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def build_passes(config: str, real, fake, fake_fixed):
-    """Passes ``(inputs, sign)`` of one discriminator step; returns (passes, accum, k)."""
+    """Passes ``(inputs, sign, public)`` of one discriminator step; returns (passes, accum, k)."""
     if config == "accum_real_fake":  # fake batch: as many samples as real ones, paired by index
-        return [(real, 1.0), (fake, -1.0)], True, None
+        return [(real, 1.0, False), (fake, -1.0, False)], True, None
     if config == "accum_real_fake_interp":  # + a penalty-like pass on per-index mixtures
-        return [(real, 1.0), (fake, -1.0), (0.3 * real + 0.7 * fake, 0.5)], True, None
+        mix = 0.3 * real + 0.7 * fake
+        return [(real, 1.0, False), (fake, -1.0, False), (mix, 0.5, False)], True, None
     if config == "split_fixed_fake_k1":  # the fake batch size does not depend on the data
-        return [(real, 1.0), (fake_fixed, -1.0)], False, 1
+        return [(real, 1.0, False), (fake_fixed, -1.0, True)], False, 1
     if config == "split_tied_fake_k2":  # fake batch tied to |real|: it counts as private
-        return [(real, 1.0), (fake, -1.0)], False, 2
+        return [(real, 1.0, False), (fake, -1.0, False)], False, 2
     if config == "split_real_twice_k2":  # two private passes over the same real batch
-        return [(real, 1.0), (-real, 0.5), (fake_fixed, -1.0)], False, 2
+        return [(real, 1.0, False), (-real, 0.5, False), (fake_fixed, -1.0, True)], False, 2
     raise AssertionError(config)
 
 
@@ -96,8 +100,8 @@ def test_unsound_configuration_is_caught_by_the_property():
     x_star = torch.full((IN_DIM,), 2.0, dtype=torch.float64)
     real = torch.randn(3, IN_DIM, dtype=torch.float64)
     fake = torch.randn(3, IN_DIM, dtype=torch.float64)
-    passes1 = [(real, 1.0), (fake, 1.0)]
-    passes2 = [(_insert(real, x_star, 1), 1.0), (_insert(fake, x_star, 1), 1.0)]
+    passes1 = [(real, 1.0, False), (fake, 1.0, True)]
+    passes2 = [(_insert(real, x_star, 1), 1.0, False), (_insert(fake, x_star, 1), 1.0, True)]
     s1, sens = pre_noise_sum(passes1, False, 1, c)
     s2, _ = pre_noise_sum(passes2, False, 1, c)
     assert torch.linalg.vector_norm(s2 - s1).item() == pytest.approx(2 * c, rel=1e-4)

@@ -71,7 +71,7 @@ def discretize_connect_the_dots(
 
     ``tail_mass`` bounds the P-mass sent to the +∞ atom (see the module docstring).
     """
-    loss = SubsampledGaussianLoss(sample_rate, noise_multiplier, "remove")
+    loss = SubsampledGaussianLoss(sample_rate, noise_multiplier)
     lo, hi = loss.tail_points(tail_mass)
     i0, i1 = math.floor(lo / h), math.ceil(hi / h)
     if i1 <= i0:
@@ -107,7 +107,7 @@ def _active(history: History) -> list[tuple[float, float, int]]:
 @functools.lru_cache(maxsize=256)
 def _step_variance(sample_rate: float, noise_multiplier: float) -> float:
     """Variance of one step's remove loss, from a rough lattice (for choosing ``h`` only)."""
-    lo, hi = SubsampledGaussianLoss(sample_rate, noise_multiplier, "remove").tail_points(1e-15)
+    lo, hi = SubsampledGaussianLoss(sample_rate, noise_multiplier).tail_points(1e-15)
     h = max(hi - lo, 1e-12) / _MOMENT_POINTS
     return discretize_connect_the_dots(sample_rate, noise_multiplier, h, 1e-15)[0].variance()
 

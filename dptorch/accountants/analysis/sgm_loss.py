@@ -2,17 +2,16 @@
 
 With sensitivity 1 and noise multiplier σ, one step releases ``x ~ μ0 = N(0, σ²)`` on a dataset
 without the record and ``x ~ μ = (1 − q) N(0, σ²) + q N(1, σ²)`` with it. The add/remove
-relation has two dominating pairs (Zhu, Dong, Wang 2022):
+relation has two dominating pairs (Zhu, Dong, Wang 2022): "remove", (P, Q) = (μ, μ0), with
+privacy loss ``L(x) = log(1 − q + q e^{(2x − 1)/(2σ²)})``, increasing in x, with x ~ μ; and
+"add", the swapped pair (μ0, μ), whose loss distribution the PLD accountant derives from the
+remove one (``LatticeLoss.swapped``), so only the remove direction is implemented here.
 
-* ``"remove"``: (P, Q) = (μ, μ0); privacy loss ``L(x) = log(1 − q + q e^{(2x − 1)/(2σ²)})``,
-  increasing in x, with x ~ μ;
-* ``"add"``: (P, Q) = (μ0, μ); privacy loss ``−L(x)``, decreasing in x, with x ~ μ0.
-
-For either, the privacy profile is ``δ(ε) = P[ℓ > ε] − e^ε Q[ℓ > ε] = E_P[(1 − e^{ε − ℓ})_+]``,
-and a k-fold composition's profile is the same expression for the sum of k independent losses.
-This module gives, per direction, the P- and Q-masses of loss intervals (differences of normal
-CDFs taken on the side that keeps relative precision in the tails), tail cut points and the
-mean loss; the PRV and PLD accountants build their discretisations on it.
+The privacy profile is ``δ(ε) = P[ℓ > ε] − e^ε Q[ℓ > ε] = E_P[(1 − e^{ε − ℓ})_+]``, and a
+k-fold composition's profile is the same expression for the sum of k independent losses. This
+module gives the P- and Q-masses of loss intervals (differences of normal CDFs taken on the
+side that keeps relative precision in the tails) and tail cut points; the PLD accountant builds
+its discretisation on them.
 """
 
 from __future__ import annotations
@@ -21,11 +20,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import integrate
 from scipy.special import ndtr, ndtri
-
-DIRECTIONS = ("remove", "add")
-
 
 def _normal_mass(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Φ(b) − Φ(a) for a ≤ b, computed on the tail side that keeps relative precision."""
@@ -35,21 +30,18 @@ def _normal_mass(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SubsampledGaussianLoss:
-    """The privacy loss of one step (sensitivity 1) in one direction of the add/remove relation.
+    """The privacy loss of one step (sensitivity 1) in the remove direction of the add/remove
+    relation (see the module docstring).
 
     Attributes:
         sample_rate: q in (0, 1].
         noise_multiplier: σ > 0.
-        direction: ``"remove"`` or ``"add"`` (see the module docstring).
     """
 
     sample_rate: float
     noise_multiplier: float
-    direction: str
 
     def __post_init__(self) -> None:
-        if self.direction not in DIRECTIONS:
-            raise ValueError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}.")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ValueError(f"sample_rate must lie in (0, 1], got {self.sample_rate}.")
         if not self.noise_multiplier > 0.0:
@@ -74,11 +66,6 @@ class SubsampledGaussianLoss:
         log_num = np.where(np.isnan(log_num), -np.inf, log_num)
         return s * s * (log_num - math.log(q)) + 0.5
 
-    def loss(self, x: np.ndarray) -> np.ndarray:
-        """The privacy loss of this direction at output x."""
-        base = self.base_loss(x)
-        return base if self.direction == "remove" else -base
-
     # ---- masses ------------------------------------------------------------------------------
     def _mixture_mass(self, xa: np.ndarray, xb: np.ndarray) -> np.ndarray:
         q, s = self.sample_rate, self.noise_multiplier
@@ -97,51 +84,14 @@ class SubsampledGaussianLoss:
         Interval i is ``(edges[i], edges[i+1]]``; ``±inf`` edges are allowed. Returns two arrays
         of length ``len(edges) − 1`` (P-mass, Q-mass).
         """
-        edges = np.asarray(edges, dtype=np.float64)
-        if self.direction == "remove":
-            x = self.base_inverse(edges)
-            xa, xb = x[:-1], x[1:]
-            return self._mixture_mass(xa, xb), self._base_mass(xa, xb)
-        x = self.base_inverse(-edges)  # decreasing in the loss
-        xa, xb = x[1:], x[:-1]
-        return self._base_mass(xa, xb), self._mixture_mass(xa, xb)
+        x = self.base_inverse(np.asarray(edges, dtype=np.float64))
+        xa, xb = x[:-1], x[1:]
+        return self._mixture_mass(xa, xb), self._base_mass(xa, xb)
 
     def tail_points(self, tail_mass: float) -> tuple[float, float]:
         """Losses (lo, hi) with P[loss < lo] ≤ tail_mass and P[loss > hi] ≤ tail_mass."""
         s = self.noise_multiplier
         z = float(-ndtri(max(tail_mass, 1e-300)))
-        if self.direction == "remove":  # x ~ mixture of N(0, σ²) and N(1, σ²)
-            x_lo, x_hi = -s * z, 1.0 + s * z
-        else:  # x ~ N(0, σ²)
-            x_lo, x_hi = -s * z, s * z
-        lo, hi = sorted(float(v) for v in self.loss(np.array([x_lo, x_hi])))
+        # x ~ mixture of N(0, σ²) and N(1, σ²); the loss is increasing in x
+        lo, hi = (float(v) for v in self.base_loss(np.array([-s * z, 1.0 + s * z])))
         return lo, hi
-
-    def truncated_moment(self, lo: float, hi: float) -> tuple[float, float]:
-        """(P[lo < loss ≤ hi], E_P[loss; lo < loss ≤ hi]) by Gauss–Kronrod quadrature."""
-        edges = np.array([lo, hi])
-        if self.direction == "remove":
-            xa, xb = (float(v) for v in self.base_inverse(edges))
-            comps = [(1.0 - self.sample_rate, 0.0), (self.sample_rate, 1.0)]
-        else:
-            xb, xa = (float(v) for v in self.base_inverse(-edges))
-            comps = [(1.0, 0.0)]
-        s = self.noise_multiplier
-        mass = 0.0
-        moment = 0.0
-        for weight, mean in comps:
-            if weight == 0.0:
-                continue
-            ua, ub = (xa - mean) / s, (xb - mean) / s
-            ua, ub = max(ua, -40.0), min(ub, 40.0)
-            if ub <= ua:
-                continue
-
-            def f(u: float, mean: float = mean) -> float:
-                return float(self.loss(mean + s * u)) * math.exp(-0.5 * u * u)
-
-            val, _ = integrate.quad(f, ua, ub, epsabs=1e-15, epsrel=1e-12, limit=200,
-                                    points=[0.0] if ua < 0 < ub else None)
-            moment += weight * val / math.sqrt(2 * math.pi)
-            mass += weight * float(_normal_mass(np.array(ua), np.array(ub)))
-        return mass, moment

@@ -1,0 +1,59 @@
+"""Poisson-sampling helpers shared by the single-process and the distributed batch samplers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .randomness import secure_uniform
+
+
+def validate_sample_rate(sample_rate: float) -> None:
+    """Raises ``ValueError`` unless ``0 < sample_rate <= 1``."""
+    if (
+        isinstance(sample_rate, bool)
+        or not isinstance(sample_rate, (int, float))
+        or not math.isfinite(sample_rate)
+        or not (0 < sample_rate <= 1)
+    ):
+        raise ValueError(
+            f"sample_rate must be in (0, 1], got {sample_rate!r}. It is the probability that a "
+            "record joins a batch, 1 / len(data_loader) for a loader built from batch_size."
+        )
+
+
+def steps_for_sample_rate(sample_rate: float) -> int:
+    """Default number of steps per epoch, ``1 / sample_rate`` (robust to float round-off:
+    ``1 / (1 / 49)`` is ``49.000000000000004``, and ``1 / 0.1`` must give 10, not 9)."""
+    inv = 1.0 / sample_rate
+    nearest = round(inv)
+    return max(1, int(nearest) if abs(inv - nearest) < 1e-9 * max(1.0, inv) else int(inv))
+
+
+def resolve_steps(steps: int | None, sample_rate: float) -> int:
+    """``steps`` (checked) or, when ``None``, :func:`steps_for_sample_rate`."""
+    if steps is not None and (not isinstance(steps, int) or steps <= 0):
+        raise ValueError(f"steps must be a positive integer or None, got {steps!r}")
+    return steps if steps is not None else steps_for_sample_rate(sample_rate)
+
+
+def check_secure_generator(secure_mode: bool, generator: torch.Generator | None) -> None:
+    """Secure mode draws from the OS CSPRNG: a seeded generator is refused."""
+    if secure_mode and generator is not None:
+        raise ValueError(
+            "secure_mode draws batches from the OS CSPRNG and cannot take a seeded generator; "
+            "pass generator=None."
+        )
+
+
+def poisson_mask(
+    num_samples: int, sample_rate: float, generator: torch.Generator | None, secure_mode: bool
+) -> torch.Tensor:
+    """One step's inclusion mask: ``num_samples`` independent Bernoulli(``sample_rate``), drawn
+    from ``generator`` (global RNG when ``None``) or, with ``secure_mode``, the OS CSPRNG."""
+    if secure_mode:
+        u = secure_uniform((num_samples,))
+    else:
+        u = torch.rand(num_samples, generator=generator, dtype=torch.float64)
+    return u < sample_rate
