@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import warnings
+
+from _timing import run_worker
 
 Q = 256 / 60000
 GNM = [("MNIST, 60 ep", Q, 60), ("digits, 20 ep", 256 / 1437, 20)]
@@ -42,16 +43,16 @@ for name in cfg["names"]:
         except Exception as e:
             s = repr(e)[:60]
         out[f"{{name}} noise_multiplier(eps=3, {{label}})"] = (s, time.perf_counter() - t)
-print(json.dumps(out))
+print("RESULT " + json.dumps(out))
 """
 
 
 def run(pkg: str, python: str, cfg: dict) -> dict:
-    res = subprocess.run([python, "-c", _SNIPPET.format(pkg=pkg), json.dumps(cfg)],
-                         capture_output=True, text=True, timeout=3600)
-    if res.returncode:
-        return {"error": res.stderr[-500:]}
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_worker(
+        [python, "-c", _SNIPPET.format(pkg=pkg), json.dumps(cfg)],
+        opacus=pkg == "opacus",
+        timeout=3600,
+    )
 
 
 def main() -> None:

@@ -16,13 +16,11 @@ their own subprocesses (same models, built from ``opacus.layers``).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import statistics
-import subprocess
 import sys
-import time
+
+from _timing import SampleConvNet, emit, interleaved_medians, mlp, run_worker, single_threaded
 
 logger = logging.getLogger("bench_modes")
 
@@ -35,23 +33,9 @@ OPACUS_PYTHON = "/work/opacus-venv/bin/python"
 # ----------------------------------------------------------------------------- worker side
 def _build(lib: str, workload: str, quick: bool):
     import torch
-    import torch.nn.functional as F
     from torch import nn
 
     layers = __import__(f"{lib}.layers", fromlist=["DPLSTM", "DPMultiheadAttention"])
-
-    class SampleConvNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, 16, 8, 2, padding=3)
-            self.conv2 = nn.Conv2d(16, 32, 4, 2)
-            self.fc1 = nn.Linear(32 * 4 * 4, 32)
-            self.fc2 = nn.Linear(32, 10)
-
-        def forward(self, x):
-            x = F.max_pool2d(F.relu(self.conv1(x)), 2, 1)
-            x = F.max_pool2d(F.relu(self.conv2(x)), 2, 1)
-            return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
     class Block(nn.Module):
         def __init__(self, d):
@@ -92,8 +76,7 @@ def _build(lib: str, workload: str, quick: bool):
         b = int(workload[7:])
         return SampleConvNet(), torch.randn(b, 1, 28, 28, generator=g), torch.randint(0, 10, (b,), generator=g)
     if workload == "mlp256":
-        m = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-        return m, torch.randn(256, 784, generator=g), torch.randint(0, 10, (256,), generator=g)
+        return mlp(), torch.randn(256, 784, generator=g), torch.randint(0, 10, (256,), generator=g)
     if workload == "transformer32":
         t = 64 if quick else 128
         return TextTransformer(), torch.randint(0, 10000, (32, t), generator=g), torch.randint(0, 2, (32,), generator=g)
@@ -160,8 +143,7 @@ def worker(lib: str, mode: str, workload: str, repeats: int, quick: bool) -> dic
 
     import torch
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    single_threaded()
     model, x, y = _build(lib, workload, quick)
     plain = copy.deepcopy(model)
     crit = torch.nn.CrossEntropyLoss()
@@ -178,23 +160,8 @@ def worker(lib: str, mode: str, workload: str, repeats: int, quick: bool) -> dic
     except Exception as e:  # noqa: BLE001 - reported as "n/a" in the table
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
     np_step()
-    t_np, t_dp = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np_step()
-        t1 = time.perf_counter()
-        dp_step()
-        t2 = time.perf_counter()
-        t_np.append(t1 - t0)
-        t_dp.append(t2 - t1)
-    m_np = _peak_bytes(np_step)
-    m_dp = _peak_bytes(dp_step)
-    return {
-        "t_np": statistics.median(t_np),
-        "t_dp": statistics.median(t_dp),
-        "m_np": m_np,
-        "m_dp": m_dp,
-    }
+    t_np, t_dp = interleaved_medians([np_step, dp_step], repeats, warmup=0)
+    return {"t_np": t_np, "t_dp": t_dp, "m_np": _peak_bytes(np_step), "m_dp": _peak_bytes(dp_step)}
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -202,19 +169,7 @@ def _run_one(python: str, lib: str, mode: str, workload: str, repeats: int, quic
     cmd = [python, os.path.abspath(__file__), "--worker", lib, mode, workload, str(repeats)]
     if quick:
         cmd.append("--quick")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               MALLOC_MMAP_THRESHOLD_="65536")
-    if lib == "opacus":  # keep the dptorch checkout off Opacus's path
-        env.pop("PYTHONPATH", None)
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900,
-                             cwd="/tmp" if lib == "opacus" else None)
-    except subprocess.TimeoutExpired:
-        return {"error": "timeout"}
-    for line in reversed(out.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:80]}
+    return run_worker(cmd, opacus=lib == "opacus", extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
 def main() -> None:
@@ -228,7 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         lib, mode, workload, repeats = args.worker
-        print("RESULT " + json.dumps(worker(lib, mode, workload, int(repeats), args.quick)))
+        emit(worker(lib, mode, workload, int(repeats), args.quick))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     repeats = args.repeats or (3 if args.quick else 7)

@@ -159,9 +159,6 @@ class PrivacyEngine:
             raise ValueError("The data loader's dataset is empty: there is nothing to train on.")
         if len(data_loader) == 0:
             raise ValueError("The data loader yields no batch (len(data_loader) == 0).")
-        sample_rate = 1 / len(data_loader)
-        if not (0 < sample_rate <= 1):  # pragma: no cover - len() >= 1 guarantees it
-            raise ValueError(f"sample rate 1/len(data_loader) = {sample_rate} is not in (0, 1].")
         if (
             self.secure_mode
             and poisson_sampling

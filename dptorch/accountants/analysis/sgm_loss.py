@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import ndtr, ndtri
 
+
 def _normal_mass(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Φ(b) − Φ(a) for a ≤ b, computed on the tail side that keeps relative precision."""
     upper = a > 0
