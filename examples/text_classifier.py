@@ -193,12 +193,16 @@ def main(argv: list[str] | None = None) -> int:
                   data_loader=train_loader, max_grad_norm=args.max_grad_norm,
                   grad_sample_mode=args.grad_sample_mode,
                   noise_generator=torch.Generator(device=device).manual_seed(args.seed))
-    if args.epsilon is not None:
-        private = engine.make_private_with_epsilon(
-            **common, target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs
-        )
-    else:
-        private = engine.make_private(**common, noise_multiplier=args.sigma)
+    try:
+        if args.epsilon is not None:
+            private = engine.make_private_with_epsilon(
+                **common, target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs
+            )
+        else:
+            private = engine.make_private(**common, noise_multiplier=args.sigma)
+    except NotImplementedError as e:  # e.g. "ew": torch's ExpandedWeights has no attention
+        print(f"grad_sample_mode {args.grad_sample_mode!r} cannot train this model: {e}")
+        return 1
     if len(private) == 4:  # ghost clipping: (module, optimizer, criterion, data_loader)
         model, optimizer, criterion, train_loader = private
     else:

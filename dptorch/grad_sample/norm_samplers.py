@@ -2,7 +2,7 @@
 
 Two kinds of per-layer functions are used by the fast-clipping modes (``"ghost"`` and ``"bk"``):
 
-* **norm samplers** (``register_norm_sampler``): ``fn(layer, activations, backprops)`` returns
+* **norm samplers** (``register_norm_sq_sampler``): ``fn(layer, activations, backprops)`` returns
   ``{param: (B,)}`` squared per-sample gradient norms, with the conventions of the grad samplers
   (batch-first inputs, ``backprops`` already rescaled for ``loss_reduction``).
 * **clipped-sum functions** (:data:`CLIPPED_SUM_FNS`): ``fn(layer, activations, backprops)``
@@ -33,7 +33,7 @@ from .embedding import _bags
 from .group_norm import compute_group_norm_grad_sample
 from .instance_norm import compute_instance_norm_grad_sample
 from .layer_norm import compute_layer_norm_grad_sample
-from .registry import GRAD_SAMPLERS, register_norm_sampler
+from .registry import GRAD_SAMPLERS, register_norm_sq_sampler
 from .rms_norm import compute_rms_norm_grad_sample
 
 ParamDict = dict[nn.Parameter, torch.Tensor]
@@ -125,7 +125,7 @@ def _gram_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return (aa * gg).sum((1, 2))
 
 
-@register_norm_sampler(nn.Linear)
+@register_norm_sq_sampler(nn.Linear)
 def compute_linear_norm_sq_sample(
     layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> ParamDict:
@@ -165,7 +165,7 @@ def linear_clipped_sum(
 
 
 # ----------------------------------------------------------------------------- Conv
-@register_norm_sampler([nn.Conv1d, nn.Conv2d, nn.Conv3d])
+@register_norm_sq_sampler([nn.Conv1d, nn.Conv2d, nn.Conv3d])
 def compute_conv_norm_sq_sample(
     layer: nn.modules.conv._ConvNd, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> ParamDict:
@@ -265,7 +265,7 @@ def _embedding_entries(layer: nn.Embedding, ids: torch.Tensor, backprops: torch.
     return sample_of, ids, values
 
 
-@register_norm_sampler(nn.Embedding)
+@register_norm_sq_sampler(nn.Embedding)
 def compute_embedding_norm_sq_sample(
     layer: nn.Embedding, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> ParamDict:
@@ -304,7 +304,7 @@ def embedding_clipped_sum(
     return {layer.weight: grad}
 
 
-@register_norm_sampler(nn.EmbeddingBag)
+@register_norm_sq_sampler(nn.EmbeddingBag)
 def compute_embeddingbag_norm_sq_sample(
     layer: nn.EmbeddingBag, activations: Sequence, backprops: torch.Tensor
 ) -> ParamDict:
@@ -351,10 +351,10 @@ def _norm_via(grad_sampler):
     return norm_sampler
 
 
-register_norm_sampler(nn.LayerNorm)(_norm_via(compute_layer_norm_grad_sample))
-register_norm_sampler(nn.GroupNorm)(_norm_via(compute_group_norm_grad_sample))
-register_norm_sampler(nn.RMSNorm)(_norm_via(compute_rms_norm_grad_sample))
-register_norm_sampler([nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d])(
+register_norm_sq_sampler(nn.LayerNorm)(_norm_via(compute_layer_norm_grad_sample))
+register_norm_sq_sampler(nn.GroupNorm)(_norm_via(compute_group_norm_grad_sample))
+register_norm_sq_sampler(nn.RMSNorm)(_norm_via(compute_rms_norm_grad_sample))
+register_norm_sq_sampler([nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d])(
     _norm_via(compute_instance_norm_grad_sample)
 )
 
@@ -367,10 +367,10 @@ def _register_dp_layers() -> None:
         from ..layers.dp_rnn import RNNLinear
     except ImportError:  # pragma: no cover - layers package not available
         return
-    register_norm_sampler(RNNLinear)(compute_linear_norm_sq_sample)
+    register_norm_sq_sampler(RNNLinear)(compute_linear_norm_sq_sample)
     register_clipped_sum(RNNLinear)(linear_clipped_sum)
     if SequenceBias in GRAD_SAMPLERS:
-        register_norm_sampler(SequenceBias)(_norm_via(GRAD_SAMPLERS[SequenceBias]))
+        register_norm_sq_sampler(SequenceBias)(_norm_via(GRAD_SAMPLERS[SequenceBias]))
 
 
 def generic_clipped_sum(
