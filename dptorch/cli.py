@@ -22,8 +22,12 @@ from .scripts.argtypes import (
     unit_half_open,
     unit_open,
 )
+from .version import __version__
 
 _ALL = "all"
+
+#: printed after an accountant's result: GDP's warning is silenced here, so say it in the output
+_NOTES = {"gdp": "  [CLT approximation: may under-estimate epsilon]"}
 
 
 def _add_schedule_args(p: argparse.ArgumentParser, default_accountant: str) -> None:
@@ -57,7 +61,8 @@ def _run_privacy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             acc = create_accountant(name)
             acc.history = [(args.noise_multiplier, args.sample_rate, steps)]
             eps = acc.get_epsilon(args.delta)
-        print(f"{name}: epsilon = {eps:.4f} (delta = {args.delta:g}, steps = {steps})")
+        print(f"{name}: epsilon = {eps:.4f} (delta = {args.delta:g}, steps = {steps})"
+              f"{_NOTES.get(name, '')}")
     return 0
 
 
@@ -74,7 +79,7 @@ def _run_calibrate(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         except ValueError as err:
             parser.error(str(err))
         print(f"{name}: noise_multiplier = {sigma:.4f} (target epsilon = {args.target_epsilon:g}, "
-              f"delta = {args.delta:g}, steps = {_steps(args)})")
+              f"delta = {args.delta:g}, steps = {_steps(args)}){_NOTES.get(name, '')}")
     return 0
 
 
@@ -125,6 +130,7 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
     parser = _OneLineErrorParser(prog="dptorch", description="dptorch command line tools.")
+    parser.add_argument("--version", action="version", version=f"dptorch {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in SUBCOMMANDS.values():
         register(subparsers)

@@ -9,4 +9,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,examples]"
+# editable install: re-run pip only when pyproject.toml changed or a dependency is missing
+STAMP=.venv/.dptorch-install-stamp
+WANT=$(cksum < pyproject.toml)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] \
+    || ! .venv/bin/python -c "import dptorch, sklearn, tqdm, matplotlib, pytest, hypothesis" 2>/dev/null; then
+  .venv/bin/python -m pip install -q -e ".[test,examples]"
+  echo "$WANT" > "$STAMP"
+fi

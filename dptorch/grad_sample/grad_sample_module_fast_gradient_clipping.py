@@ -99,6 +99,15 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         self._per_sample_gradient_norms: torch.Tensor | None = None
         self._keep_output_edges = True
         self.max_grad_norm = max_grad_norm
+        # torch DDP must not all-reduce p.grad in backward: it holds the local clipped sum, which
+        # the distributed optimizer all-reduces itself; with bk, where autograd computes no weight
+        # gradient, DDP's reducer would even overwrite it (zero gradients, silently)
+        try:
+            from ..distributed import disable_gradient_sync
+        except ImportError:  # pragma: no cover - distributed support is built separately
+            pass
+        else:
+            disable_gradient_sync(m)
 
     # ------------------------------------------------------------------ public API
     @property

@@ -38,10 +38,11 @@ def clear_grad_sample(p: torch.Tensor) -> None:
 VALID_LOSS_REDUCTIONS = ("mean", "sum")
 
 ACCUMULATION_FORBIDDEN_MESSAGE = (
-    "A second backward pass ran before optimizer.step()/zero_grad(), and gradient accumulation "
-    "is forbidden (Poisson sampling: two small Poisson batches are not one large one). Call "
-    "optimizer.step() and optimizer.zero_grad() after every backward, or use "
-    "dptorch.utils.batch_memory_manager.BatchMemoryManager for large logical batches."
+    "A second backward pass ran while the previous one's per-sample gradients were still held "
+    "(they are kept until optimizer.zero_grad(), even after optimizer.step()), and gradient "
+    "accumulation is forbidden under Poisson sampling (two small Poisson batches are not one "
+    "large one). Each iteration: optimizer.zero_grad(), loss.backward(), optimizer.step(); for "
+    "large logical batches use dptorch.utils.batch_memory_manager.BatchMemoryManager."
 )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -218,7 +219,9 @@ def write_plot(result: RunResult, path: str) -> None:
     ax2.plot(epochs, [r["epsilon"] for r in result.history], "r-s", label="epsilon")
     ax2.set_ylabel(f"epsilon (delta={result.delta:g})", color="r")
     ax1.set_title("dptorch: DP-SGD on digits")
-    fig.legend(loc="lower right")
+    # one legend inside the axes (lower right stays clear: both curves end near the top)
+    handles = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax1.legend(handles=handles, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -271,6 +274,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.batch_size > 1437:
         parser.error("--batch-size must be at most the training set size (1437)")
+    if args.plot:  # fail before training, not after it
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            parser.error(f"--plot: folder {folder} does not exist")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'dptorch[examples]'")
     try:
         result = train_dp(
             epsilon=args.epsilon, delta=args.delta, epochs=args.epochs,

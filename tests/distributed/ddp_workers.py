@@ -194,7 +194,7 @@ def train_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
-def _full_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def full_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
         return F.cross_entropy(model(x), y).item()
 
@@ -235,7 +235,7 @@ def training_checks(rank: int, world_size: int, out_dir: str) -> dict:
         "sampler": type(dl.batch_sampler).__name__,
         "sample_rate": dl.sample_rate,
         "expected_batch_size": optimizer.expected_batch_size,
-        "losses": [_full_loss(model, x, y)],
+        "losses": [full_loss(model, x, y)],
     }
     batch_sizes = []
     for _ in range(EPOCHS - 1):
@@ -244,10 +244,10 @@ def training_checks(rank: int, world_size: int, out_dir: str) -> dict:
             optimizer.zero_grad()
             F.cross_entropy(model(xb), yb).backward()
             optimizer.step()
-        out["losses"].append(_full_loss(model, x, y))
+        out["losses"].append(full_loss(model, x, y))
     with BatchMemoryManager(data_loader=dl, max_physical_batch_size=8, optimizer=optimizer) as mdl:
         _epoch(model, optimizer, mdl)
-    out["losses"].append(_full_loss(model, x, y))
+    out["losses"].append(full_loss(model, x, y))
     out["batch_sizes"] = batch_sizes
     out["eps"] = engine.get_epsilon(DELTA)
     out["history"] = list(getattr(engine.accountant, "history", []))
@@ -282,7 +282,7 @@ def single_process_training() -> dict:
         "eps": engine.get_epsilon(DELTA),
         "sample_rate": dl.sample_rate,
         "expected_batch_size": optimizer.expected_batch_size,
-        "loss": _full_loss(model, x, y),
+        "loss": full_loss(model, x, y),
     }
 
 
@@ -293,10 +293,17 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> dict:
         "optimizer": optimizer_checks(rank, world_size),
         "per_layer": per_layer_checks(rank, world_size),
     }
-    try:
-        out["training"] = training_checks(rank, world_size, out_dir)
-    except Exception as e:  # reported to the training tests, which fail with the traceback
-        import traceback
+    from ddp_fast_workers import fast_clipping_checks, fast_training_checks  # imports this module
 
-        out["training_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    for key, fn, args in (
+        ("training", training_checks, (out_dir,)),
+        ("fast", fast_clipping_checks, ()),
+        ("fast_training", fast_training_checks, ()),
+    ):
+        try:
+            out[key] = fn(rank, world_size, *args)
+        except Exception as e:  # reported to the tests of `key`, which fail with the traceback
+            import traceback
+
+            out[f"{key}_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     return out
