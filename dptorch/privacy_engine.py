@@ -320,7 +320,6 @@ class PrivacyEngine:
             UserWarning,
             stacklevel=3,
         )
-        logger.warning("poisson_sampling=False: the epsilon assumes Poisson sampling.")
         if self.secure_mode:
             gen = torch.Generator()
             gen.manual_seed(secure_generator_seed())
