@@ -37,7 +37,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .grad_sample_module import GradSampleModule, _first_tensor
-from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, FAST_PASSES_ATTR
+from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, FAST_PASSES_ATTR, RELEASED_ATTR
 from .registry import NORM_SAMPLERS
 from .unit_params import unit_parameters
 from .utils import register_grad_sample_mode
@@ -289,6 +289,13 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         """Records on every trainable parameter that ``p.grad`` now holds one more clipped sum
         (read by ``DPOptimizerFastGradientClipping``: accumulated iterations, step guard)."""
         params = self.trainable_parameters()
+        if any(hasattr(p, RELEASED_ATTR) for p in params):
+            raise ValueError(
+                "optimizer.step() ran since the last optimizer.zero_grad(): p.grad still holds the "
+                "released (noisy) gradient, and this backward pass added the new clipped sum to "
+                "it. Call optimizer.zero_grad() before every backward pass (zero_grad, backward, "
+                "step)."
+            )
         if not self.grad_accumulation_allowed and any(hasattr(p, FAST_PASSES_ATTR) for p in params):
             raise ValueError(ACCUMULATION_FORBIDDEN_MESSAGE)
         for p in params:

@@ -19,12 +19,16 @@ FAST_PASSES_ATTR = "_dp_fast_passes"
 #: (``_current_grad_sample``), the slices of multi-pass mode (``_grad_sample_passes``), and the
 #: per-sample norms and pass counter of the fast-clipping modes. :func:`clear_grad_sample` and
 #: :meth:`AbstractGradSampleModule.cleanup` remove them.
+#: set on every parameter by a real (noised) optimizer step, cleared by ``zero_grad``
+RELEASED_ATTR = "_dp_released"
+
 OPACUS_PARAM_MONKEYPATCH_ATTRS = [
     "grad_sample",
     "_current_grad_sample",
     "_grad_sample_passes",
     "_norm_sample",
     FAST_PASSES_ATTR,
+    RELEASED_ATTR,
 ]
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..grad_sample.gsm_base import _check_loss_reduction, clear_grad_sample
+from ..grad_sample.gsm_base import RELEASED_ATTR, _check_loss_reduction, clear_grad_sample
 from ..utils.randomness import generate_noise
 from .utils import params as optimizer_params
 
@@ -485,6 +485,8 @@ class DPOptimizer(Optimizer):
         self._ensure_summed_grads()
         self.add_noise()
         self.scale_grad()
+        for p in self.params:
+            setattr(p, RELEASED_ATTR, True)
         if self.step_hook is not None:
             self.step_hook(self)
         self._is_last_step_skipped = False

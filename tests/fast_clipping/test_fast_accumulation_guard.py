@@ -49,3 +49,15 @@ def test_step_then_backward_is_allowed(mode):
         optimizer.step()
         optimizer.zero_grad()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+def test_backward_after_step_without_zero_grad_raises(mode):
+    """p.grad still holds the released noisy gradient after step(): a backward pass without
+    zero_grad() would add the next clipped sum to it."""
+    model, optimizer, criterion = _make(mode)
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    criterion(model(x), y).backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="zero_grad"):
+        criterion(model(x), y).backward()
