@@ -394,16 +394,18 @@ class DPRNNBase(RenameParamsMixin, nn.Module):
         if not torch.is_grad_enabled():
             return torch.stack(outs, 1), state
 
-        # 2. the same computation with autograd; each projection is one call on the sequence
-        xi = cell.ih(x)
-        hh_all = cell.hh(torch.stack(hprev, 1))
-        hr_all = proj(torch.stack(mprev, 1)) if proj is not None else None
+        # 2. the same computation with autograd; each projection is one call on the sequence.
+        # unbind (not x[:, t]): its backward stacks the T step gradients once, where T slices
+        # would each scatter into a full (B, T, G) zero tensor (quadratic in T).
+        xi_t = cell.ih(x).unbind(1)
+        hh_t_all = cell.hh(torch.stack(hprev, 1)).unbind(1)
+        hr_t_all = proj(torch.stack(mprev, 1)).unbind(1) if proj is not None else None
         state = state0
         for t in steps:
-            hh_t = _TieHidden.apply(hh_all[:, t], state[0], cell.hh.weight)
-            m, new = cell.step(xi[:, t], hh_t, state)
-            if hr_all is not None:
-                new = (_TieHidden.apply(hr_all[:, t], m, proj.weight), new[1])
+            hh_t = _TieHidden.apply(hh_t_all[t], state[0], cell.hh.weight)
+            m, new = cell.step(xi_t[t], hh_t, state)
+            if hr_t_all is not None:
+                new = (_TieHidden.apply(hr_t_all[t], m, proj.weight), new[1])
             state = advance(state, new, t)
             outs[t] = state[0]
         return torch.stack(outs, 1), state
