@@ -113,7 +113,10 @@ def _dp_step_fn(lib: str, mode: str, model, x, y):
         loss_fn(gsm(x), y).backward()
         opt.step()
 
-    return step
+    def reset():
+        opt.zero_grad(set_to_none=True)
+
+    return step, reset
 
 
 def _status_kb(field: str) -> int:
@@ -124,12 +127,14 @@ def _status_kb(field: str) -> int:
     return 0
 
 
-def _peak_bytes(fn) -> int:
-    """Peak resident memory added by ``fn()``: the high-water mark (reset through
-    ``/proc/self/clear_refs``) minus the resident size before. The driver sets
-    ``MALLOC_MMAP_THRESHOLD_`` so that large tensors are mmapped and really returned."""
+def _peak_bytes(fn, reset) -> int:
+    """Peak resident memory added by ``fn()`` from a state where ``reset()`` dropped the previous
+    step's gradients: the high-water mark (reset through ``/proc/self/clear_refs``) minus the
+    resident size before. The memory phase runs with ``MALLOC_MMAP_THRESHOLD_`` so that large
+    tensors are mmapped and really returned (never in the timing phase: it slows allocation)."""
     import gc
 
+    reset()
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -138,7 +143,9 @@ def _peak_bytes(fn) -> int:
     return max(_status_kb("VmHWM") - base, 0) * 1024
 
 
-def worker(lib: str, mode: str, workload: str, repeats: int, quick: bool) -> dict:
+def worker(lib: str, mode: str, workload: str, repeats: int, quick: bool, phase: str) -> dict:
+    """``phase="time"``: interleaved medians of the non-private and DP steps;
+    ``phase="memory"``: their peak resident memory."""
     import copy
 
     import torch
@@ -154,22 +161,33 @@ def worker(lib: str, mode: str, workload: str, repeats: int, quick: bool) -> dic
         crit(plain(x), y).backward()
         sgd.step()
 
+    def np_reset():
+        sgd.zero_grad(set_to_none=True)
+
     try:
-        dp_step = _dp_step_fn(lib, mode, model, x, y)
+        dp_step, dp_reset = _dp_step_fn(lib, mode, model, x, y)
         dp_step()  # warm-up (and fail early on unsupported combinations)
     except Exception as e:  # noqa: BLE001 - reported as "n/a" in the table
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
     np_step()
+    if phase == "memory":
+        return {"m_np": _peak_bytes(np_step, np_reset), "m_dp": _peak_bytes(dp_step, dp_reset)}
     t_np, t_dp = interleaved_medians([np_step, dp_step], repeats, warmup=0)
-    return {"t_np": t_np, "t_dp": t_dp, "m_np": _peak_bytes(np_step), "m_dp": _peak_bytes(dp_step)}
+    return {"t_np": t_np, "t_dp": t_dp}
 
 
 # ----------------------------------------------------------------------------- driver side
 def _run_one(python: str, lib: str, mode: str, workload: str, repeats: int, quick: bool) -> dict:
-    cmd = [python, os.path.abspath(__file__), "--worker", lib, mode, workload, str(repeats)]
-    if quick:
-        cmd.append("--quick")
-    return run_worker(cmd, opacus=lib == "opacus", extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    """Timing and memory of one (library, mode, workload), each in its own process."""
+    out: dict = {}
+    for phase, env in (("time", None), ("memory", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
+        cmd = [python, os.path.abspath(__file__), "--worker", lib, mode, workload, str(repeats)]
+        cmd += ["--phase", phase] + (["--quick"] if quick else [])
+        r = run_worker(cmd, opacus=lib == "opacus", extra_env=env)
+        if "error" in r:
+            return r
+        out.update(r)
+    return out
 
 
 def main() -> None:
@@ -180,10 +198,11 @@ def main() -> None:
     parser.add_argument("--modes", nargs="*", default=DPTORCH_MODES)
     parser.add_argument("--no-opacus", action="store_true")
     parser.add_argument("--worker", nargs=4, metavar=("LIB", "MODE", "WORKLOAD", "REPEATS"))
+    parser.add_argument("--phase", choices=("time", "memory"), default="time")
     args = parser.parse_args()
     if args.worker:
         lib, mode, workload, repeats = args.worker
-        emit(worker(lib, mode, workload, int(repeats), args.quick))
+        emit(worker(lib, mode, workload, int(repeats), args.quick, args.phase))
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     repeats = args.repeats or (3 if args.quick else 7)

@@ -444,7 +444,7 @@ class DPOptimizer(Optimizer):
         for p in self.params:
             _check_processed_flag(p.summed_grad)
             noise = _generate_noise(std, p.summed_grad, self.generator, self.secure_mode)
-            p.grad = (p.summed_grad + noise).view_as(p)
+            p.grad = noise.add_(p.summed_grad).view_as(p)  # in place: one tensor, not two
             _mark_as_processed(p.summed_grad)
 
     def scale_grad(self) -> None:
