@@ -246,11 +246,16 @@ class GradSampleModule(AbstractGradSampleModule):
             batch_first=batch_first,
             activations=_forward_input,
         )
-        grad_samples = self._compute_grad_samples(module, activations, backprops, forward_kwargs)
-        max_batch_len = backprops.shape[0]
+        n = getattr(module, "max_batch_len", None) or backprops.shape[0]
+        self._process_call(module, activations, backprops, forward_kwargs, n)
+        self._queue_end_of_backward()
+
+    def _process_call(self, module, activations, backprops, kwargs, max_batch_len: int) -> None:
+        """One call's contribution from batch-first ``activations``/``backprops``: per-sample
+        gradients summed into ``p._current_grad_sample`` (fast clipping overrides this)."""
+        grad_samples = self._compute_grad_samples(module, activations, backprops, kwargs)
         for p, gs in grad_samples.items():
             self._accumulate_current(p, gs, max_batch_len)
-        self._queue_end_of_backward()
 
     def _compute_grad_samples(self, module, activations, backprops, kwargs):
         sampler = None if self.force_functorch else self.GRAD_SAMPLERS.get(type(module))

@@ -187,35 +187,15 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         if self._keep_output_edges:
             self._outputs.append(get_gradient_edge(out))
 
-    def capture_backprops_hook(
-        self,
-        module: nn.Module,
-        _forward_input,
-        forward_output,
-        loss_reduction: str,
-        batch_first: bool,
-        forward_kwargs: dict | None = None,
-    ) -> None:
+    def _process_call(self, module, activations, backprops, kwargs, max_batch_len: int) -> None:
         """Adds this call's squared per-sample norms (norm sampler) or per-sample gradients
         (instantiation, summed over calls) to the pass's state."""
-        backprops = _first_tensor(forward_output)
-        activations, backprops = self.rearrange_grad_samples(
-            module=module,
-            backprops=backprops,
-            loss_reduction=loss_reduction,
-            batch_first=batch_first,
-            activations=_forward_input,
-        )
-        n = getattr(module, "max_batch_len", None) or backprops.shape[0]
         if self._use_norm_sampler(module, activations, backprops):
             for p, sq in NORM_SAMPLERS[type(module)](module, activations, backprops).items():
-                self._add_norm_sq(p, _pad_to(sq, n))
-            self._record_call(module, activations, backprops, forward_kwargs)
+                self._add_norm_sq(p, _pad_to(sq, max_batch_len))
+            self._record_call(module, activations, backprops, kwargs)
         else:
-            grad_samples = self._compute_grad_samples(module, activations, backprops, forward_kwargs)
-            for p, gs in grad_samples.items():
-                self._accumulate_current(p, gs, n)
-        self._queue_end_of_backward()
+            super()._process_call(module, activations, backprops, kwargs, max_batch_len)
 
     def _single_call(self, module: nn.Module) -> bool:
         """Whether every trainable parameter of ``module`` was used by exactly one call."""
