@@ -12,6 +12,9 @@ fed a ``PackedSequence`` of the variable-length names. ``DPLSTM`` is a drop-in r
 Linear grad sampler, summed over the time steps of each name. (``ModuleValidator.fix`` would also
 replace an ``nn.LSTM`` by a ``DPLSTM``.)
 
+The flags, the ``make_private``/``make_private_with_epsilon`` set-up and the epoch loop that
+the classifier examples share live in ``examples/_common.py``.
+
 Examples::
 
     python examples/char_lstm.py                   # sigma = 1.0, 10 epochs
@@ -22,21 +25,18 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import math
 import string
 import sys
-import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from _common import add_run_args, add_training_args, check_args, fit, make_private, privacy_summary
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
 from dptorch.layers import DPLSTM
-from dptorch.utils.batch_memory_manager import BatchMemoryManager
 
 ALPHABET = string.ascii_lowercase
 PAD = 0  # token 0 pads; letters are 1..26
@@ -102,74 +102,17 @@ class CharLSTMClassifier(nn.Module):
         return self.fc(h[-1])
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> float:
-    model.eval()
-    correct = total = 0
-    for tokens, lengths, y in loader:
-        tokens, y = tokens.to(device), y.to(device)
-        correct += (model(tokens, lengths).argmax(1) == y).sum().item()
-        total += len(y)
-    model.train()
-    return correct / max(total, 1)
-
-
-def train_epoch(model, optimizer, loader, device, max_steps: int | None) -> tuple[float, float]:
-    losses, correct, seen, steps = [], 0, 0, 0
-    for tokens, lengths, y in loader:
-        tokens, y = tokens.to(device), y.to(device)
-        optimizer.zero_grad()
-        out = model(tokens, lengths)
-        loss = F.cross_entropy(out, y) if len(y) else out.sum()  # empty batch: noise-only step
-        loss.backward()
-        optimizer.step()
-        if len(y):
-            losses.append(loss.item())
-            correct += (out.argmax(1) == y).sum().item()
-            seen += len(y)
-        if not optimizer._is_last_step_skipped:  # a BatchMemoryManager physical batch, not a step
-            steps += 1
-            if max_steps is not None and steps >= max_steps:
-                break
-    return sum(losses) / max(len(losses), 1), correct / max(seen, 1)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=10)
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--sigma", type=float, default=1.0,
-                        help="noise multiplier (default 1.0); ignored with --epsilon")
-    budget.add_argument("--epsilon", type=float, default=None,
-                        help="target epsilon: calibrate sigma with make_private_with_epsilon")
-    p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping norm C")
-    p.add_argument("--lr", type=float, default=4.0, help="SGD learning rate")
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="expected (Poisson) logical batch size")
-    p.add_argument("--max-physical-batch-size", type=int, default=None,
-                   help="bound memory with BatchMemoryManager")
+    add_training_args(p, epochs=10, lr=4.0, lr_help="SGD learning rate", batch_size=256)
     p.add_argument("--names-per-class", type=int, default=400)
     p.add_argument("--classes", type=int, default=18)
     p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--accountant", choices=("prv", "rdp", "gdp", "pld"), default="prv")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="stop each epoch after this many optimizer steps")
-    p.add_argument("--smoke", action="store_true", help="tiny run: 1 epoch of 3 steps")
+    add_run_args(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.epochs, args.max_steps, args.names_per_class = 1, 3, 40
-    for name in ("epochs", "batch_size", "names_per_class", "classes", "hidden_size"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be a positive integer")
-    if not (args.max_grad_norm > 0 and args.lr > 0 and args.sigma >= 0):
-        p.error("--max-grad-norm and --lr must be > 0, --sigma >= 0")
-    if args.epsilon is not None and not (args.epsilon > 0 and math.isfinite(args.epsilon)):
-        p.error("--epsilon must be a finite number > 0")
-    if not 0 < args.delta < 1:
-        p.error("--delta must be in (0, 1)")
+    check_args(p, args, positive=("names_per_class", "classes", "hidden_size"))
     return args
 
 
@@ -194,33 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     test_loader = DataLoader(test_ds, batch_size=512)
 
     engine = PrivacyEngine(accountant=args.accountant)
-    common = dict(module=model, optimizer=optimizer, data_loader=train_loader,
-                  max_grad_norm=args.max_grad_norm,
-                  noise_generator=torch.Generator(device=device).manual_seed(args.seed))
-    if args.epsilon is not None:
-        model, optimizer, train_loader = engine.make_private_with_epsilon(
-            **common, target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs
-        )
-    else:
-        model, optimizer, train_loader = engine.make_private(**common, noise_multiplier=args.sigma)
-    print(f"sample rate {1 / len(train_loader):.4f}, sigma {optimizer.noise_multiplier:.3f}, "
-          f"C {args.max_grad_norm}, accountant {args.accountant}")
+    # engine.make_private (--sigma) or engine.make_private_with_epsilon (--epsilon)
+    model, optimizer, train_loader = make_private(
+        engine, args, device, module=model, optimizer=optimizer, data_loader=train_loader
+    )
+    print(privacy_summary(args, optimizer, train_loader))
 
-    start = time.perf_counter()
-    acc = eps = math.nan
-    for epoch in range(1, args.epochs + 1):
-        if args.max_physical_batch_size:
-            with BatchMemoryManager(data_loader=train_loader, optimizer=optimizer,
-                                    max_physical_batch_size=args.max_physical_batch_size) as loader:
-                loss, train_acc = train_epoch(model, optimizer, loader, device, args.max_steps)
-        else:
-            loss, train_acc = train_epoch(model, optimizer, train_loader, device, args.max_steps)
-        acc = evaluate(model, test_loader, device)
-        eps = engine.get_epsilon(args.delta)
-        print(f"epoch {epoch:2d}: loss {loss:.4f}  train accuracy {train_acc:.3f}  "
-              f"test accuracy {acc:.3f}  epsilon {eps:.3f} (delta {args.delta:g})")
-    print(f"final: test accuracy {acc:.3f} (chance {1 / args.classes:.3f}), epsilon {eps:.3f} "
-          f"at delta {args.delta:g} ({time.perf_counter() - start:.1f} s)")
+    # an empty Poisson batch gives a (0, classes) output and a noise-only step (see forward)
+    fit(engine, model, optimizer, train_loader, test_loader, args, device,
+        chance=1 / args.classes)
     return 0
 
 

@@ -13,6 +13,9 @@ It shows the usual dptorch workflow:
    logical, Poisson-sampled batch stays large;
 4. ``PrivacyEngine.get_epsilon`` after every epoch.
 
+The flags, the ``make_private``/``make_private_with_epsilon`` set-up and the epoch loop that
+the classifier examples share live in ``examples/_common.py``.
+
 Examples::
 
     python examples/mnist_digits_cnn.py                       # sigma = 1.0, 20 epochs
@@ -24,19 +27,17 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from _common import add_run_args, add_training_args, check_args, fit, make_private, privacy_summary
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
-from dptorch.utils.batch_memory_manager import BatchMemoryManager
 from dptorch.validators import ModuleValidator
 
 
@@ -79,55 +80,17 @@ def load_data(seed: int) -> tuple[TensorDataset, TensorDataset]:
     return to_ds(x_tr, y_tr), to_ds(x_te, y_te)
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> float:
-    model.eval()
-    correct = total = 0
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        correct += (model(x).argmax(1) == y).sum().item()
-        total += len(y)
-    model.train()
-    return correct / max(total, 1)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=20)
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--sigma", type=float, default=1.0,
-                        help="noise multiplier (default 1.0); ignored with --epsilon")
-    budget.add_argument("--epsilon", type=float, default=None,
-                        help="target epsilon: calibrate sigma with make_private_with_epsilon")
-    p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping norm C")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="expected (Poisson) logical batch size")
-    p.add_argument("--max-physical-batch-size", type=int, default=None,
-                   help="split logical batches into physical ones of at most this size "
-                        "(BatchMemoryManager)")
+    add_training_args(p, epochs=20, lr=0.05, lr_help="SGD learning rate", momentum=0.9,
+                      batch_size=64)
     p.add_argument("--batchnorm", action="store_true",
                    help="build the model with BatchNorm and fix it with ModuleValidator.fix")
-    p.add_argument("--accountant", choices=("prv", "rdp", "gdp", "pld"), default="prv")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="stop each epoch after this many optimizer steps")
-    p.add_argument("--smoke", action="store_true", help="tiny run: 1 epoch of 3 steps")
+    add_run_args(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.epochs, args.max_steps = 1, 3
-    for name in ("epochs", "batch_size"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be a positive integer")
-    if not (args.max_grad_norm > 0 and args.lr > 0 and args.sigma >= 0):
-        p.error("--max-grad-norm and --lr must be > 0, --sigma >= 0")
-    if args.epsilon is not None and not (args.epsilon > 0 and math.isfinite(args.epsilon)):
-        p.error("--epsilon must be a finite number > 0")
-    if not 0 < args.delta < 1:
-        p.error("--delta must be in (0, 1)")
+    check_args(p, args)
     return args
 
 
@@ -150,60 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     train_loader = DataLoader(train_ds, batch_size=args.batch_size)
     test_loader = DataLoader(test_ds, batch_size=256)
     engine = PrivacyEngine(accountant=args.accountant)
-    common = dict(module=model, optimizer=optimizer, data_loader=train_loader,
-                  max_grad_norm=args.max_grad_norm,
-                  noise_generator=torch.Generator(device=device).manual_seed(args.seed))
-    if args.epsilon is not None:
-        model, optimizer, train_loader = engine.make_private_with_epsilon(
-            **common, target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs
-        )
-    else:
-        model, optimizer, train_loader = engine.make_private(**common, noise_multiplier=args.sigma)
-    print(f"training on {len(train_ds)} images: sample rate {1 / len(train_loader):.4f}, "
-          f"sigma {optimizer.noise_multiplier:.3f}, C {args.max_grad_norm}, "
-          f"accountant {args.accountant}")
+    # engine.make_private(..., noise_multiplier=args.sigma), or with --epsilon
+    # engine.make_private_with_epsilon(..., target_epsilon=args.epsilon, epochs=args.epochs)
+    model, optimizer, train_loader = make_private(
+        engine, args, device, module=model, optimizer=optimizer, data_loader=train_loader
+    )
+    print(f"training on {len(train_ds)} images: "
+          f"{privacy_summary(args, optimizer, train_loader)}")
 
-    start = time.perf_counter()
-    acc = eps = math.nan
-    for epoch in range(1, args.epochs + 1):
-        if args.max_physical_batch_size:
-            with BatchMemoryManager(data_loader=train_loader, optimizer=optimizer,
-                                    max_physical_batch_size=args.max_physical_batch_size) as loader:
-                loss, train_acc = train_epoch(model, optimizer, loader, device, args.max_steps)
-        else:
-            loss, train_acc = train_epoch(model, optimizer, train_loader, device, args.max_steps)
-        acc = evaluate(model, test_loader, device)
-        eps = engine.get_epsilon(args.delta)
-        print(f"epoch {epoch:2d}: loss {loss:.4f}  train accuracy {train_acc:.3f}  "
-              f"test accuracy {acc:.3f}  epsilon {eps:.3f} (delta {args.delta:g})")
-    print(f"final: test accuracy {acc:.3f}, epsilon {eps:.3f} at delta {args.delta:g} "
-          f"({time.perf_counter() - start:.1f} s)")
+    # per epoch: train (with --max-physical-batch-size under BatchMemoryManager), evaluate,
+    # engine.get_epsilon(args.delta)
+    fit(engine, model, optimizer, train_loader, test_loader, args, device)
     return 0
-
-
-def train_epoch(model, optimizer, loader, device, max_steps: int | None) -> tuple[float, float]:
-    """One pass over ``loader``; returns the mean loss and the accuracy on the seen batches.
-
-    With BatchMemoryManager ``optimizer.step()`` only updates the model on the last physical
-    batch of each logical batch; ``optimizer._is_last_step_skipped`` tells which one it was.
-    """
-    losses, correct, seen, steps = [], 0, 0, 0
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        optimizer.zero_grad()
-        out = model(x)  # an empty Poisson batch gives a (0, 10) output and a noise-only step
-        loss = F.cross_entropy(out, y) if len(y) else out.sum()
-        loss.backward()
-        optimizer.step()
-        if len(y):
-            losses.append(loss.item())
-            correct += (out.argmax(1) == y).sum().item()
-            seen += len(y)
-        if not optimizer._is_last_step_skipped:
-            steps += 1
-            if max_steps is not None and steps >= max_steps:
-                break
-    return sum(losses) / max(len(losses), 1), correct / max(seen, 1)
 
 
 if __name__ == "__main__":

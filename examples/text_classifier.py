@@ -16,6 +16,9 @@ built from ``nn.Linear`` layers (``ModuleValidator.fix`` swaps one for the other
 when this dptorch has them (see docs/modes.md). With ``ghost`` ``make_private`` also returns a
 criterion whose ``loss.backward()`` runs the two backward passes of ghost clipping.
 
+The flags, the ``make_private``/``make_private_with_epsilon`` set-up and the epoch loop that
+the classifier examples share live in ``examples/_common.py``.
+
 Examples::
 
     python examples/text_classifier.py                          # sigma = 1.0, 8 epochs
@@ -26,18 +29,16 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import time
 
 import torch
+from _common import add_run_args, add_training_args, check_args, fit, make_private, privacy_summary
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
 from dptorch.grad_sample.utils import GSM_CLASSES
 from dptorch.layers import DPMultiheadAttention
-from dptorch.utils.batch_memory_manager import BatchMemoryManager
 
 KNOWN_MODES = ("hooks", "functorch", "ew", "ghost", "bk")
 
@@ -93,79 +94,22 @@ class TransformerClassifier(nn.Module):
         return self.head(x.mean(1))
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> float:
-    model.eval()
-    correct = total = 0
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        correct += (model(x).argmax(1) == y).sum().item()
-        total += len(y)
-    model.train()
-    return correct / max(total, 1)
-
-
-def train_epoch(model, optimizer, criterion, loader, device, max_steps) -> tuple[float, float]:
-    losses, correct, seen, steps = [], 0, 0, 0
-    for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        optimizer.zero_grad()
-        out = model(x)
-        loss = criterion(out, y)  # ghost: a DP loss whose backward() clips
-        loss.backward()
-        optimizer.step()
-        if len(y):
-            losses.append(loss.item())
-            correct += (out.argmax(1) == y).sum().item()
-            seen += len(y)
-        if not optimizer._is_last_step_skipped:  # a BatchMemoryManager physical batch, not a step
-            steps += 1
-            if max_steps is not None and steps >= max_steps:
-                break
-    return sum(losses) / max(len(losses), 1), correct / max(seen, 1)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=8)
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--sigma", type=float, default=1.0,
-                        help="noise multiplier (default 1.0); ignored with --epsilon")
-    budget.add_argument("--epsilon", type=float, default=None,
-                        help="target epsilon: calibrate sigma with make_private_with_epsilon")
-    p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping norm C")
-    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="expected (Poisson) logical batch size")
-    p.add_argument("--max-physical-batch-size", type=int, default=None,
-                   help="bound memory with BatchMemoryManager")
+    add_training_args(p, epochs=8, lr=3e-3, lr_help="Adam learning rate", batch_size=256)
     p.add_argument("--grad-sample-mode", choices=KNOWN_MODES, default="hooks",
                    help="per-sample gradient mode (ghost/bk: if this dptorch registers them)")
     p.add_argument("--train-size", type=int, default=8000)
     p.add_argument("--classes", type=int, default=6)
     p.add_argument("--vocab", type=int, default=40)
     p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--accountant", choices=("prv", "rdp", "gdp", "pld"), default="prv")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="stop each epoch after this many optimizer steps")
-    p.add_argument("--smoke", action="store_true", help="tiny run: 1 epoch of 3 steps")
+    add_run_args(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.epochs, args.max_steps, args.train_size = 1, 3, 1000
-    for name in ("epochs", "batch_size", "train_size", "classes"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+    check_args(p, args, positive=("train_size", "classes"))
     if args.vocab < 12 or args.seq_len < 5:
         p.error("--vocab must be >= 12 and --seq-len >= 5")
-    if not (args.max_grad_norm > 0 and args.lr > 0 and args.sigma >= 0):
-        p.error("--max-grad-norm and --lr must be > 0, --sigma >= 0")
-    if args.epsilon is not None and not (args.epsilon > 0 and math.isfinite(args.epsilon)):
-        p.error("--epsilon must be a finite number > 0")
-    if not 0 < args.delta < 1:
-        p.error("--delta must be in (0, 1)")
     return args
 
 
@@ -189,17 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     test_loader = DataLoader(test_ds, batch_size=500)
 
     engine = PrivacyEngine(accountant=args.accountant)
-    common = dict(module=model, optimizer=optimizer, criterion=criterion,
-                  data_loader=train_loader, max_grad_norm=args.max_grad_norm,
-                  grad_sample_mode=args.grad_sample_mode,
-                  noise_generator=torch.Generator(device=device).manual_seed(args.seed))
-    try:
-        if args.epsilon is not None:
-            private = engine.make_private_with_epsilon(
-                **common, target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs
-            )
-        else:
-            private = engine.make_private(**common, noise_multiplier=args.sigma)
+    try:  # engine.make_private (--sigma) or engine.make_private_with_epsilon (--epsilon)
+        private = make_private(engine, args, device, module=model, optimizer=optimizer,
+                               criterion=criterion, data_loader=train_loader,
+                               grad_sample_mode=args.grad_sample_mode)
     except NotImplementedError as e:  # e.g. "ew": torch's ExpandedWeights has no attention
         print(f"grad_sample_mode {args.grad_sample_mode!r} cannot train this model: {e}")
         return 1
@@ -208,27 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model, optimizer, train_loader = private
     print(f"{len(train_ds)} training sequences, {args.classes} classes; grad_sample_mode "
-          f"{args.grad_sample_mode!r} ({type(model).__name__}); sample rate "
-          f"{1 / len(train_loader):.4f}, sigma {optimizer.noise_multiplier:.3f}, "
-          f"C {args.max_grad_norm}, accountant {args.accountant}")
+          f"{args.grad_sample_mode!r} ({type(model).__name__}); "
+          f"{privacy_summary(args, optimizer, train_loader)}")
 
-    start = time.perf_counter()
-    acc = eps = math.nan
-    for epoch in range(1, args.epochs + 1):
-        if args.max_physical_batch_size:
-            with BatchMemoryManager(data_loader=train_loader, optimizer=optimizer,
-                                    max_physical_batch_size=args.max_physical_batch_size) as loader:
-                loss, train_acc = train_epoch(model, optimizer, criterion, loader, device,
-                                              args.max_steps)
-        else:
-            loss, train_acc = train_epoch(model, optimizer, criterion, train_loader, device,
-                                          args.max_steps)
-        acc = evaluate(model, test_loader, device)
-        eps = engine.get_epsilon(args.delta)
-        print(f"epoch {epoch:2d}: loss {loss:.4f}  train accuracy {train_acc:.3f}  "
-              f"test accuracy {acc:.3f}  epsilon {eps:.3f} (delta {args.delta:g})")
-    print(f"final: test accuracy {acc:.3f} (chance {1 / args.classes:.3f}), epsilon {eps:.3f} "
-          f"at delta {args.delta:g} ({time.perf_counter() - start:.1f} s)")
+    # ghost: criterion is a DP loss whose backward() runs the two passes of ghost clipping
+    fit(engine, model, optimizer, train_loader, test_loader, args, device, loss_fn=criterion,
+        chance=1 / args.classes)
     return 0
 
 
