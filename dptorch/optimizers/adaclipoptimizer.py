@@ -19,20 +19,24 @@ __all__ = ["AdaClipDPOptimizer"]
 class AdaClipDPOptimizer(DPOptimizer):
     """:class:`DPOptimizer` whose clipping norm tracks a quantile of the per-sample norms.
 
-    At each step the number ``b`` of samples whose gradient was not clipped is released with
-    Gaussian noise, ``b̃ = b + N(0, unclipped_num_std²)``, and the clipping norm moves
+    At each step the *centred* count of samples whose gradient was not clipped,
+    ``s = Σ_b (1[unclipped_b] − 1/2)``, is released with Gaussian noise,
+    ``s̃ = s + N(0, unclipped_num_std²)`` (kept in ``unclipped_num``), and the clipping norm moves
     geometrically towards the ``target_unclipped_quantile``::
 
-        C ← clamp(C · exp(-clipbound_learning_rate · (b̃ / m - target_unclipped_quantile)),
+        C ← clamp(C · exp(-clipbound_learning_rate · (s̃ / m + 1/2 - target_unclipped_quantile)),
                   min_clipbound, max_clipbound)
 
     where ``m`` is the expected (logical) batch size, a public quantity (the actual batch size is
     not: dividing by it would release it).
 
-    Privacy: the gradient and the count are two Gaussian releases. ``noise_multiplier`` (σ) is
-    the *total* noise multiplier, the one the accountant uses; the gradient gets the adjusted
-    ``σ_grad = (σ⁻² − (2 · unclipped_num_std)⁻²)^(-1/2)`` (Theorem 1 of the paper) so that both
-    together cost what a single σ release costs. This needs ``σ < 2 · unclipped_num_std``.
+    Privacy: the gradient and the count are two Gaussian releases. Adding or removing one record
+    moves ``s`` by exactly 1/2 (a plain 0/1 count would move by 1), so the count's noise
+    multiplier is ``2 · unclipped_num_std``. ``noise_multiplier`` (σ) is the *total* noise
+    multiplier, the one the accountant uses; the gradient gets the adjusted
+    ``σ_grad = (σ⁻² − (2 · unclipped_num_std)⁻²)^(-1/2)`` (Theorem 1 of Andrew et al. 2021, which
+    assumes this centred count) so that both together cost what a single σ release costs. This
+    needs ``σ < 2 · unclipped_num_std``.
 
     Args:
         target_unclipped_quantile: target fraction of unclipped samples, in [0, 1].
@@ -120,12 +124,13 @@ class AdaClipDPOptimizer(DPOptimizer):
         return self.gradient_noise_multiplier * self.max_grad_norm * self.noise_scale_factor
 
     def compute_clip_factors(self, unit_grads=None) -> list[torch.Tensor]:
-        """Flat clip factors; also counts the units left unclipped (factor 1)."""
+        """Flat clip factors; also adds the centred count ``Σ (1[factor = 1] − 1/2)`` of the
+        units left unclipped (sensitivity 1/2 under add/remove)."""
         factors = super().compute_clip_factors(unit_grads)
         if factors:
             f = factors[0]
             self.sample_size += f.numel()
-            self.unclipped_num += float((f >= 1.0).sum().item())
+            self.unclipped_num += float((f >= 1.0).sum().item()) - 0.5 * f.numel()
         return factors
 
     def add_noise(self) -> None:
@@ -138,7 +143,7 @@ class AdaClipDPOptimizer(DPOptimizer):
     def update_max_grad_norm(self) -> None:
         """Geometric update of C from the noisy unclipped fraction, clamped to the bounds."""
         denom = self.expected_batch_size * self.accumulated_iterations
-        unclipped_frac = self.unclipped_num / denom
+        unclipped_frac = self.unclipped_num / denom + 0.5
         new = self.max_grad_norm * math.exp(
             -self.clipbound_learning_rate * (unclipped_frac - self.target_unclipped_quantile)
         )

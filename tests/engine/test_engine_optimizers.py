@@ -314,3 +314,24 @@ def test_get_optimizer_class_registry():
 
     register_optimizer_class(Custom, clipping="flat", distributed=False, grad_sample_mode="custom_x")
     assert get_optimizer_class("flat", False, "custom_x") is Custom
+
+
+def test_adaclip_count_sensitivity_is_one_half():
+    """The released count moves by exactly 1/2 when a record is added (clipped or not), which is
+    what the factor 2 in sigma_grad = (sigma^-2 - (2 unclipped_num_std)^-2)^-1/2 assumes."""
+    kw = dict(
+        noise_multiplier=0.0, target_unclipped_quantile=0.5, clipbound_learning_rate=0.2,
+        max_clipbound=10.0, min_clipbound=0.01, unclipped_num_std=1.0, max_grad_norm=1.0,
+        expected_batch_size=4,
+    )
+    base = torch.tensor([[0.5, 0.0], [0.0, 0.9], [2.0, 0.0]], dtype=torch.float64)
+    stats = []
+    for extra in (None, [[0.1, 0.1]], [[5.0, 5.0]]):  # removed / added unclipped / added clipped
+        params = _params([(2,)])
+        opt = AdaClipDPOptimizer(torch.optim.SGD(params, lr=0.0), **kw)
+        gs = base if extra is None else torch.cat([base, torch.tensor(extra, dtype=torch.float64)])
+        set_grad_samples(params, [gs])
+        opt.clip_and_accumulate()
+        stats.append(opt.unclipped_num)
+    assert abs(stats[1] - stats[0]) == pytest.approx(0.5)
+    assert abs(stats[2] - stats[0]) == pytest.approx(0.5)
