@@ -181,11 +181,19 @@ def epsilon_upper_bound(
     return eps
 
 
-def compute_epsilon_pld(history: History, delta: float, eps_error: float = 0.01) -> float:
+def compute_epsilon_pld(
+    history: History,
+    delta: float,
+    eps_error: float = 0.01,
+    tail_delta: float | None = None,
+    max_size: int = MAX_FFT_SIZE,
+) -> float:
     """Upper bound on ε(δ) of a history ``[(noise_multiplier, sample_rate, steps), ...]``.
 
     The bound is the maximum over both directions of the add/remove relation and exceeds the
-    exact ε by about ``eps_error/2`` or less (see the module docstring).
+    exact ε by about ``eps_error/2`` or less (see the module docstring). ``tail_delta`` is the δ
+    spent on truncating the steps' tails (default ``delta · TAIL_FRACTION``); results at the
+    default ``max_size`` are cached per history.
     """
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta must lie in (0, 1), got {delta}.")
@@ -196,10 +204,12 @@ def compute_epsilon_pld(history: History, delta: float, eps_error: float = 0.01)
         return 0.0
     if any(s == 0.0 for s, _, _ in phases):
         return math.inf
-    return _cached_upper_bound(tuple(phases), delta, eps_error, delta * TAIL_FRACTION)
+    tail_delta = delta * TAIL_FRACTION if tail_delta is None else tail_delta
+    if max_size != MAX_FFT_SIZE:
+        return epsilon_upper_bound(phases, delta, eps_error, tail_delta, max_size=max_size)
+    return _cached_upper_bound(tuple(phases), delta, eps_error, tail_delta)
 
 
-@functools.lru_cache(maxsize=128)
 def _cached_upper_bound(
     phases: tuple[tuple[float, float, int], ...], delta: float, eps_error: float, tail_delta: float
 ) -> float:

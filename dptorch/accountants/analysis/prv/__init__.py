@@ -18,11 +18,10 @@ large ε a δ error of ``delta_error`` would move ε by far more than ``eps_erro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from ..lattice import MAX_FFT_SIZE
-from ..pld import TAIL_FRACTION, _active, _cached_upper_bound, epsilon_upper_bound
+from ..pld import TAIL_FRACTION, compute_epsilon_pld
 
 __all__ = ["compute_epsilon_prv"]
 
@@ -48,14 +47,5 @@ def compute_epsilon_prv(
         delta_error = delta / 1000.0
     if not 0.0 < delta_error < delta:
         raise ValueError(f"delta_error must lie in (0, delta={delta}), got {delta_error}.")
-    if not eps_error > 0:
-        raise ValueError(f"eps_error must be > 0, got {eps_error}.")
-    phases = _active(history)
-    if not phases:
-        return 0.0
-    if any(s == 0.0 for s, _, _ in phases):
-        return math.inf
     tail_delta = min(delta_error, delta * TAIL_FRACTION)  # spend at most the budget
-    if max_size != MAX_FFT_SIZE:
-        return epsilon_upper_bound(phases, delta, eps_error, tail_delta, max_size=max_size)
-    return _cached_upper_bound(tuple(phases), delta, eps_error, tail_delta)
+    return compute_epsilon_pld(history, delta, eps_error, tail_delta, max_size=max_size)
