@@ -13,13 +13,24 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+)
 from torch.utils.data._utils.collate import default_collate
 
 from .utils.randomness import secure_generator_seed
 from .utils.uniform_sampler import (
     DistributedUniformWithReplacementSampler,
     UniformWithReplacementSampler,
+    as_index_tensor,
     validate_sample_rate,
 )
 
@@ -32,6 +43,7 @@ __all__ = [
     "switch_generator",
     "shape_safe",
     "dtype_safe",
+    "poisson_sampling_indices",
 ]
 
 # DataLoader settings carried over by DPDataLoader.from_data_loader (batching is replaced).
@@ -198,11 +210,144 @@ def _loader_generator(generator: torch.Generator | None, secure_mode: bool) -> t
     return g
 
 
+_SAMPLER_FIX = (
+    "Fix: put the records to train on in torch.utils.data.Subset(dataset, indices) and pass a "
+    "plain DataLoader(subset, batch_size=...) (or DataLoader(dataset, batch_size=..., "
+    "sampler=SubsetRandomSampler(indices))); or pass poisson_sampling=False to keep this "
+    "sampler, knowing that the reported epsilon is then not a proven guarantee."
+)
+
+
+def _unsupported_sampler(what: str, sampler: object, reason: str) -> ValueError:
+    return ValueError(
+        f"The data loader's {what} {type(sampler).__name__} cannot be turned into Poisson "
+        f"sampling: {reason}. Poisson sampling (what the privacy accounting assumes) would draw "
+        "from a different set of records, or with other probabilities, than this loader does, "
+        "so the records trained on and the ones accounted for would differ. " + _SAMPLER_FIX
+    )
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def poisson_sampling_indices(
+    data_loader: DataLoader, *, distributed: bool = False
+) -> torch.Tensor | None:
+    """The dataset indices that Poisson sampling of ``data_loader`` must draw from.
+
+    ``None`` means the whole dataset: the loader's sampler is a ``SequentialSampler`` or a
+    ``RandomSampler`` without replacement over all of it (or, in distributed training, a
+    ``DistributedSampler`` over all of it with one replica per rank; or a dptorch Poisson
+    sampler). For a ``SubsetRandomSampler`` it is its ``indices`` (a 1-D ``torch.long`` tensor):
+    only those records may ever be trained on, and the accounting uses ``N = len(indices)``.
+
+    Any other sampler or batch sampler (``WeightedRandomSampler``, ``RandomSampler`` with
+    replacement or with ``num_samples``, a custom ``batch_sampler``, a ``DistributedSampler``
+    outside distributed training, user classes) raises ``ValueError``: Poisson sampling cannot
+    reproduce the set of records or the probabilities it draws with. So do duplicate or
+    out-of-range subset indices.
+    """
+    dataset = data_loader.dataset
+    n = len(dataset)  # type: ignore[arg-type]
+    batch_sampler = data_loader.batch_sampler
+    if isinstance(
+        batch_sampler, (UniformWithReplacementSampler, DistributedUniformWithReplacementSampler)
+    ):
+        indices = batch_sampler.indices
+        size = (
+            batch_sampler.num_samples
+            if isinstance(batch_sampler, UniformWithReplacementSampler)
+            else batch_sampler.total_size
+        )
+        if indices is None and size != n:
+            raise _unsupported_sampler(
+                "batch_sampler",
+                batch_sampler,
+                f"it samples {size} records, not the {n} of the dataset",
+            )
+        return None if indices is None else _check_subset(indices, n)
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise _unsupported_sampler(
+            "batch_sampler",
+            batch_sampler,
+            "a custom batch_sampler chooses the records of each batch",
+        )
+    sampler = batch_sampler.sampler if batch_sampler is not None else data_loader.sampler
+    if isinstance(sampler, SubsetRandomSampler):
+        return _check_subset(sampler.indices, n)
+    if type(sampler) is SequentialSampler:
+        if len(sampler) != n:
+            raise _unsupported_sampler(
+                "sampler", sampler, f"it yields {len(sampler)} records, not the {n} of the dataset"
+            )
+        return None
+    if type(sampler) is RandomSampler:
+        if sampler.replacement:
+            raise _unsupported_sampler(
+                "sampler", sampler, "it draws records with replacement (replacement=True)"
+            )
+        if sampler.num_samples != n or len(sampler.data_source) != n:
+            raise _unsupported_sampler(
+                "sampler",
+                sampler,
+                f"it draws {sampler.num_samples} records per epoch from {len(sampler.data_source)}, "
+                f"not each of the {n} records of the dataset once",
+            )
+        return None
+    if type(sampler) is DistributedSampler:
+        world = _world_size() if distributed else 1
+        if sampler.num_replicas != world or len(sampler.dataset) != n:
+            raise _unsupported_sampler(
+                "sampler",
+                sampler,
+                f"it yields the shard of rank {sampler.rank} out of {sampler.num_replicas} replicas "
+                f"of a {len(sampler.dataset)}-record dataset, but "
+                + (
+                    f"the world size is {world}"
+                    if distributed
+                    else "the model is not distributed (wrap it in DistributedDataParallel or "
+                    "dptorch's DPDDP for distributed training, which samples each rank's shard)"
+                ),
+            )
+        return None
+    raise _unsupported_sampler(
+        "sampler",
+        sampler,
+        "dptorch cannot tell which records it draws or with which probabilities (only "
+        "SequentialSampler, RandomSampler without replacement, SubsetRandomSampler and, in "
+        "distributed training, DistributedSampler are understood)",
+    )
+
+
+def _check_subset(
+    indices: Sequence[int] | torch.Tensor, n: int, name: str = "The SubsetRandomSampler's indices"
+) -> torch.Tensor:
+    """Subset indices as a tensor, each in ``[0, n)`` and distinct (``ValueError`` otherwise)."""
+    try:
+        t = as_index_tensor(indices, size=len(indices), name=name)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"{name} must be integers: {e}") from None
+    if t.numel() == 0:
+        raise ValueError(f"{name} are empty: there is nothing to train on.")
+    bad = t[(t < 0) | (t >= n)]
+    if bad.numel():
+        raise ValueError(
+            f"{name} must be in [0, {n}) (the dataset has {n} records), got "
+            f"{bad[:5].tolist()}{' ...' if bad.numel() > 5 else ''}. Use non-negative positions "
+            "in the loader's dataset."
+        )
+    return t
+
+
 class DPDataLoader(DataLoader):
     """DataLoader over a map-style dataset with Poisson-sampled batches.
 
-    Each record joins each batch independently with probability ``sample_rate``; an epoch is
-    ``1 / sample_rate`` batches (``len()``). Empty batches are zero-size tensors.
+    Each record (of ``indices`` when given, else of the whole dataset) joins each batch
+    independently with probability ``sample_rate``; an epoch is ``1 / sample_rate`` batches
+    (``len()``). Empty batches are zero-size tensors.
 
     Args:
         dataset: a map-style dataset.
@@ -213,6 +358,8 @@ class DPDataLoader(DataLoader):
         distributed: DDP sampling (one shard of every Poisson batch per rank).
         batch_first: whether the batch dimension of collated tensors is 0 (empty batches).
         secure_mode: sampling randomness from the OS CSPRNG (no generator allowed).
+        indices: the dataset indices to sample from (distinct, in ``[0, len(dataset))``; a
+            training subset). ``None``: the whole dataset. Records outside it are never drawn.
         **kwargs: other DataLoader arguments (num_workers, pin_memory, ...).
     """
 
@@ -228,6 +375,7 @@ class DPDataLoader(DataLoader):
         batch_first: bool = True,
         rand_on_empty: bool = False,
         secure_mode: bool = False,
+        indices: Sequence[int] | torch.Tensor | None = None,
         **kwargs,
     ):
         if isinstance(dataset, IterableDataset):
@@ -245,6 +393,9 @@ class DPDataLoader(DataLoader):
         num_samples = len(dataset)  # type: ignore[arg-type]
         if num_samples == 0:
             raise ValueError("The dataset is empty: there is nothing to train on.")
+        if indices is not None:
+            indices = _check_subset(indices, num_samples, name="indices")
+            num_samples = len(indices)
         if drop_last:
             logger.info("DPDataLoader ignores drop_last: Poisson batches have no partial last batch.")
         self.sample_rate = sample_rate
@@ -256,6 +407,7 @@ class DPDataLoader(DataLoader):
             generator=generator,
             distributed=distributed,
             secure_mode=secure_mode,
+            indices=indices,
         )
         kwargs.pop("batch_size", None)
         kwargs.pop("shuffle", None)
@@ -281,8 +433,10 @@ class DPDataLoader(DataLoader):
         generator: torch.Generator | None,
         distributed: bool,
         secure_mode: bool,
+        indices: torch.Tensor | None = None,
     ) -> Sampler:
-        """The Poisson batch sampler (hook for the distributed variant)."""
+        """The Poisson batch sampler over ``num_samples`` records (the entries of ``indices``
+        when given) (hook for the distributed variant)."""
         if distributed:
             # each rank Poisson-samples its own shard of the data set (dptorch.distributed)
             return DistributedUniformWithReplacementSampler(
@@ -290,12 +444,14 @@ class DPDataLoader(DataLoader):
                 sample_rate=sample_rate,
                 generator=generator,
                 secure_mode=secure_mode,
+                indices=indices,
             )
         return UniformWithReplacementSampler(
             num_samples=num_samples,
             sample_rate=sample_rate,
             generator=generator,
             secure_mode=secure_mode,
+            indices=indices,
         )
 
     @classmethod
@@ -312,8 +468,13 @@ class DPDataLoader(DataLoader):
         """A DPDataLoader over ``data_loader``'s dataset with ``sample_rate = 1 / len(data_loader)``.
 
         Keeps the dataset, collate function and worker settings; batching is replaced by Poisson
-        sampling. ``generator`` defaults to ``data_loader.generator`` (ignored in secure mode only
-        if it is ``None``; a seeded generator with ``secure_mode`` is an error).
+        sampling over the records the loader draws from: the whole dataset, or the ``indices``
+        of its ``SubsetRandomSampler`` (held-out records are never drawn). Samplers whose records
+        or probabilities Poisson sampling cannot reproduce (``WeightedRandomSampler``, sampling
+        with replacement, custom batch samplers, ...) raise ``ValueError``; see
+        :func:`poisson_sampling_indices`. ``generator`` defaults to ``data_loader.generator``
+        (ignored in secure mode only if it is ``None``; a seeded generator with ``secure_mode``
+        is an error).
         """
         dataset = getattr(data_loader, "dataset", None)
         if dataset is None:
@@ -328,12 +489,14 @@ class DPDataLoader(DataLoader):
         n_batches = len(data_loader)
         if n_batches == 0:
             raise ValueError("The data loader yields no batch (len(data_loader) == 0).")
+        indices = poisson_sampling_indices(data_loader, distributed=distributed)
         if generator is None and not secure_mode:
             generator = data_loader.generator
         kwargs = {k: getattr(data_loader, k) for k in _CARRIED_KWARGS if hasattr(data_loader, k)}
         return cls(
             dataset=dataset,
             sample_rate=1 / n_batches,
+            indices=indices,
             collate_fn=data_loader.collate_fn,
             generator=generator,
             distributed=distributed,

@@ -9,6 +9,8 @@ the optimizer (clipping + noise) and attach the accountant to it. Each stage is 
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import math
 import os
@@ -17,9 +19,9 @@ from typing import IO, Any, BinaryIO
 
 import torch
 from torch import nn, optim
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler
 
-from .data_loader import DPDataLoader, switch_generator
+from .data_loader import DPDataLoader, poisson_sampling_indices, switch_generator
 from .grad_sample import AbstractGradSampleModule, GradSampleModule
 from .grad_sample.utils import get_gsm_class, wrap_model
 from .optimizers import DPOptimizer, get_optimizer_class
@@ -61,6 +63,105 @@ def _is_real_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+# A computed noise multiplier above this is almost certainly a mistake (target_epsilon far too
+# small for the data set size and the number of steps): the model learns nothing.
+_EXTREME_NOISE_MULTIPLIER = 50.0
+
+# Arguments of the optimizer classes that make_private passes itself.
+_ENGINE_PASSED = frozenset(
+    (
+        "optimizer",
+        "noise_multiplier",
+        "max_grad_norm",
+        "expected_batch_size",
+        "loss_reduction",
+        "generator",
+        "secure_mode",
+    )
+)
+# Those of them that are not make_private parameters, with what to do instead.
+_ENGINE_SET_ARGS = {
+    "expected_batch_size": "make_private computes it as q * N from the data loader",
+    "generator": "pass the noise generator as noise_generator=",
+    "secure_mode": "set it on the engine: PrivacyEngine(secure_mode=True)",
+}
+
+
+def _parameter_names(func: Any) -> set[str]:
+    """The named parameters of ``func`` (no ``self``, ``*args``, ``**kwargs``)."""
+    return {
+        n
+        for n, p in inspect.signature(func).parameters.items()
+        if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+
+
+def _check_arg_types(*, flags: dict[str, Any], names: dict[str, Any]) -> None:
+    """``flags`` must be ``bool`` (``poisson_sampling="fixed_shape"`` is not True) and ``names``
+    ``str``; raises ``ValueError`` naming the argument, the value received and what is expected."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"{name} must be True or False, got {value!r} ({type(value).__name__}). A "
+                "non-bool value is not interpreted as a flag; pass a bool."
+            )
+    for name, value in names.items():
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r} ({type(value).__name__}).")
+
+
+def _optimizer_keywords(optim_class: type) -> dict[str, inspect.Parameter]:
+    """The keyword arguments ``optim_class(...)`` accepts: the named parameters of its
+    ``__init__`` and, while an ``__init__`` forwards ``**kwargs``, of the next ``__init__`` in
+    the MRO (up to, not including, ``torch.optim.Optimizer``)."""
+    out: dict[str, inspect.Parameter] = {}
+    for klass in optim_class.__mro__:
+        if klass is optim.Optimizer or klass is object:
+            break
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        for name, p in params.items():
+            if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                out.setdefault(name, p)
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return out
+
+
+def _annotation_names(annotation: Any) -> set[str]:
+    """``{"float"}`` for ``float``, ``{"int", "None"}`` for ``"int | None"`` (string annotations
+    included); an empty set for anything else."""
+    if annotation is inspect.Parameter.empty:
+        return set()
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    return {t.strip() for t in text.split("|")}
+
+
+def _check_optimizer_kwarg_type(name: str, value: Any, param: inspect.Parameter) -> None:
+    """Type-checks an optimizer keyword argument annotated with ``bool`` / ``int`` / ``float``
+    (optionally ``| None``); other annotations are left to the optimizer."""
+    kinds = _annotation_names(param.annotation)
+    if not kinds or not kinds <= {"bool", "int", "float", "None"}:
+        return
+    if value is None and "None" in kinds:
+        return
+    if "bool" in kinds:
+        ok, expected = isinstance(value, bool), "True or False"
+    elif "float" in kinds:
+        ok, expected = _is_real_number(value), "a real number (int or float, not bool)"
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        expected = "an integer (not bool)"
+    if not ok:
+        raise ValueError(
+            f"{name} must be {expected}"
+            + (" or None" if "None" in kinds else "")
+            + f", got {value!r} ({type(value).__name__})."
+        )
+
+
 class PrivacyEngine:
     """Entry point of DP training: ``make_private`` / ``make_private_with_epsilon``,
     ``get_epsilon`` and checkpoints.
@@ -79,6 +180,8 @@ class PrivacyEngine:
         self.secure_rng = None  # Opacus attribute; secure randomness comes from os.urandom
         self.dataset = None
         self._data_loader: DataLoader | None = None
+        # N, the number of records the last make_private's loader can yield (get_epsilon's δ check)
+        self._num_records: int | None = None
         if not secure_mode:
             logger.info(
                 "Secure RNG turned off: fine for experiments; for a release, retrain with "
@@ -89,7 +192,7 @@ class PrivacyEngine:
     def _validate_args(
         self,
         *,
-        noise_multiplier: float,
+        noise_multiplier: float | None,
         max_grad_norm: float | list[float],
         clipping: str,
         loss_reduction: str,
@@ -98,9 +201,13 @@ class PrivacyEngine:
         data_loader: DataLoader,
         poisson_sampling: bool,
     ) -> None:
-        """Checks every scalar argument and the data loader; raises ``ValueError``."""
-        if not _is_real_number(noise_multiplier) or not (
-            math.isfinite(noise_multiplier) and noise_multiplier >= 0
+        """Checks every scalar argument and the data loader; raises ``ValueError``.
+
+        ``noise_multiplier=None``: not known yet (``make_private_with_epsilon`` computes it after
+        these checks); its own checks are skipped."""
+        if noise_multiplier is not None and (
+            not _is_real_number(noise_multiplier)
+            or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0)
         ):
             raise ValueError(
                 f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}. It is "
@@ -120,12 +227,17 @@ class PrivacyEngine:
                 f"trainable parameter, got {max_grad_norm!r}."
             )
         for c in norms:
-            if not _is_real_number(c) or not (c > 0):
+            if not _is_real_number(c):
+                raise ValueError(
+                    f"max_grad_norm must be a real number (int or float, not bool) > 0, got "
+                    f"{c!r} ({type(c).__name__})."
+                )
+            if not (c > 0):
                 raise ValueError(
                     f"max_grad_norm must be > 0, got {c!r}. It is the L2 norm each sample's "
                     "gradient is clipped to (typical values 0.1-10)."
                 )
-            if math.isinf(c) and noise_multiplier > 0:
+            if math.isinf(c) and noise_multiplier is not None and noise_multiplier > 0:
                 raise ValueError(
                     "max_grad_norm=inf with noise_multiplier > 0 gives infinite noise; pick a "
                     "finite clipping norm."
@@ -167,6 +279,94 @@ class PrivacyEngine:
             raise ValueError(
                 "secure_mode=True: the data loader has a seeded generator, but the sampling must "
                 "come from the OS CSPRNG. Build the DataLoader without generator=."
+            )
+
+    @staticmethod
+    def _records_in_loader(
+        data_loader: DataLoader, *, poisson_sampling: bool, distributed: bool
+    ) -> int:
+        """N, the number of records ``data_loader`` can yield: ``len(indices)`` of its
+        ``SubsetRandomSampler``, else the dataset size. The accounting uses it (expected batch
+        size ``q · N``, the δ < 1/N check).
+
+        With ``poisson_sampling`` a sampler that Poisson sampling cannot reproduce raises
+        ``ValueError`` (see :func:`dptorch.data_loader.poisson_sampling_indices`)."""
+        if poisson_sampling:
+            indices = poisson_sampling_indices(data_loader, distributed=distributed)
+            return len(data_loader.dataset) if indices is None else len(indices)
+        batch_sampler = data_loader.batch_sampler
+        sampler = getattr(batch_sampler, "sampler", None)
+        if sampler is None:
+            sampler = data_loader.sampler
+        if isinstance(sampler, SubsetRandomSampler):
+            return len(sampler.indices)
+        return len(data_loader.dataset)
+
+    def _validate_extra_kwargs(
+        self,
+        kwargs: dict[str, Any],
+        *,
+        module: nn.Module,
+        clipping: str,
+        grad_sample_mode: str,
+        where: str,
+        own: set[str],
+        passthrough: frozenset[str] = frozenset(),
+        engine_set: dict[str, str] | None = None,
+    ) -> None:
+        """Checks the ``**kwargs`` of ``make_private`` (``where``) against the keyword arguments
+        of the optimizer class that ``clipping`` / ``grad_sample_mode`` / distributed select
+        (found by inspecting its ``__init__``), and type-checks those annotated ``bool`` /
+        ``int`` / ``float``.
+
+        An unknown name raises ``ValueError`` naming it and the closest valid one among ``own``
+        (the method's parameters) and the optimizer's: a misspelt setting would otherwise be
+        swallowed by the optimizer and silently keep its default. ``passthrough`` names are
+        checked later (by ``make_private``); ``engine_set`` maps names the engine computes
+        itself to what to do instead.
+        """
+        from .optimizers import _OPTIMIZERS
+
+        optim_class = get_optimizer_class(
+            clipping=clipping,
+            distributed=self._is_distributed(module),
+            grad_sample_mode=grad_sample_mode,
+        )
+        accepted = {
+            k: p for k, p in _optimizer_keywords(optim_class).items() if k not in _ENGINE_PASSED
+        }
+        engine_set = {**_ENGINE_SET_ARGS, **(engine_set or {})}
+        for name, value in kwargs.items():
+            if name in passthrough:
+                continue
+            if name in accepted:
+                _check_optimizer_kwarg_type(name, value, accepted[name])
+                continue
+            if name in engine_set:
+                raise ValueError(
+                    f"{where}() got {name}={value!r}, which it sets itself: {engine_set[name]}."
+                )
+            close = difflib.get_close_matches(name, sorted(own | set(accepted)), n=1, cutoff=0.6)
+            owners = sorted(
+                {
+                    f"{cls.__name__} (clipping={c!r})"
+                    for (c, _, _), cls in _OPTIMIZERS.items()
+                    if cls is not optim_class and name in _optimizer_keywords(cls)
+                }
+            )
+            raise ValueError(
+                f"{where}() got an unknown keyword argument {name!r}"
+                + (f"; did you mean {close[0]!r}?" if close else ".")
+                + (
+                    f" {name!r} is an argument of {', '.join(owners)}, not of "
+                    f"{optim_class.__name__}, the optimizer of clipping={clipping!r}."
+                    if owners
+                    else ""
+                )
+                + " Unknown arguments are refused rather than ignored: a misspelt setting would "
+                "otherwise silently keep its default. Extra keyword arguments accepted here: "
+                + (", ".join(sorted(accepted.keys() | passthrough)) or "none")
+                + "."
             )
 
     @staticmethod
@@ -293,8 +493,13 @@ class PrivacyEngine:
         distributed: bool,
         batch_first: bool = True,
     ) -> DataLoader:
-        """Poisson-sampling DPDataLoader over the same dataset (or the loader itself, with a
-        warning, when ``poisson_sampling=False``)."""
+        """Poisson-sampling DPDataLoader over the records ``data_loader`` draws from (the whole
+        dataset or its ``SubsetRandomSampler``'s indices), or the loader itself, with a warning,
+        when ``poisson_sampling=False``. Remembers N, the number of those records, for
+        :meth:`get_epsilon`."""
+        self._num_records = self._records_in_loader(
+            data_loader, poisson_sampling=poisson_sampling, distributed=distributed
+        )
         if self.dataset is None:
             self.dataset = data_loader.dataset
         elif self.dataset is not data_loader.dataset:
@@ -422,8 +627,21 @@ class PrivacyEngine:
                 private.
             **kwargs: passed to the optimizer class.
 
-        Every problem with the arguments raises ``ValueError`` before anything is modified.
+        Every problem with the arguments raises ``ValueError`` before anything is modified,
+        including an unknown keyword argument (with the closest valid name), a non-bool flag or
+        a data loader sampler that Poisson sampling cannot reproduce.
         """
+        _check_arg_types(
+            flags=dict(
+                poisson_sampling=poisson_sampling,
+                batch_first=batch_first,
+                wrap_model=wrap_model,
+                multi_pass=multi_pass,
+            ),
+            names=dict(
+                grad_sample_mode=grad_sample_mode, clipping=clipping, loss_reduction=loss_reduction
+            ),
+        )
         if not wrap_model:
             raise NotImplementedError("wrap_model=False is not supported; models are wrapped.")
         self._validate_args(
@@ -436,6 +654,14 @@ class PrivacyEngine:
             data_loader=data_loader,
             poisson_sampling=poisson_sampling,
         )
+        self._validate_extra_kwargs(
+            kwargs,
+            module=module,
+            clipping=clipping,
+            grad_sample_mode=grad_sample_mode,
+            where="make_private",
+            own=_parameter_names(PrivacyEngine.make_private),
+        )
         _validate_multi_pass_mode(multi_pass, clipping, grad_sample_mode, module, kwargs)
         inner_optimizer = (
             optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer
@@ -444,9 +670,12 @@ class PrivacyEngine:
         self._validate_module(module)
         distributed = self._is_distributed(module)
         sample_rate = 1 / len(data_loader)
-        expected_batch_size = self._expected_batch_size(
-            len(data_loader.dataset), sample_rate, distributed
+        # N = the records the loader can yield (a SubsetRandomSampler's indices): raises for a
+        # sampler that Poisson sampling cannot reproduce
+        num_records = self._records_in_loader(
+            data_loader, poisson_sampling=poisson_sampling, distributed=distributed
         )
+        expected_batch_size = self._expected_batch_size(num_records, sample_rate, distributed)
         # build the optimizer first: its own checks (per-layer norms, AdaClip bounds) must also
         # fail before the model is wrapped
         dp_optimizer = self._prepare_optimizer(
@@ -467,8 +696,8 @@ class PrivacyEngine:
             loss_reduction=loss_reduction,
             grad_sample_mode=grad_sample_mode,
             **({"multi_pass": True} if multi_pass else {}),
-            # fast clipping: the module applies the clip factors itself
-            **({"max_grad_norm": max_grad_norm} if grad_sample_mode in ("ghost", "bk") else {}),
+            # fast clipping: the module clips with the optimizer's contract (one C, shared)
+            **({"clipping": dp_optimizer.clipping} if grad_sample_mode in ("ghost", "bk") else {}),
         )
         if poisson_sampling and hasattr(gsm, "forbid_grad_accumulation"):
             gsm.forbid_grad_accumulation()
@@ -521,14 +750,72 @@ class PrivacyEngine:
         **kwargs,
     ) -> tuple[AbstractGradSampleModule, DPOptimizer, DataLoader]:
         """:meth:`make_private` with the noise multiplier that reaches ``(target_epsilon,
-        target_delta)`` after ``epochs`` epochs under this engine's accountant."""
+        target_delta)`` after ``epochs`` epochs under this engine's accountant.
+
+        ``kwargs`` may hold ``epsilon_tolerance`` (default 0.01), ``multi_pass`` and the extra
+        optimizer arguments of :meth:`make_private`; anything else raises ``ValueError``. Warns
+        (``UserWarning``) when ``target_delta >= 1/N`` (N: the records the loader can yield; such
+        a δ allows releasing whole records) and when the computed noise multiplier exceeds 50
+        (target_epsilon too small for the data: the model will learn next to nothing).
+        """
+        _check_arg_types(
+            flags=dict(
+                poisson_sampling=poisson_sampling, batch_first=batch_first, wrap_model=wrap_model
+            ),
+            names=dict(
+                grad_sample_mode=grad_sample_mode, clipping=clipping, loss_reduction=loss_reduction
+            ),
+        )
         if not _is_real_number(target_epsilon) or not (0 < target_epsilon < math.inf):
             raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
         if not _is_real_number(target_delta) or not (0 < target_delta < 1):
             raise ValueError(f"target_delta must be in (0, 1), got {target_delta!r}.")
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}.")
-        self._validate_data_loader(data_loader, poisson_sampling=poisson_sampling)
+        epsilon_tolerance = kwargs.pop("epsilon_tolerance", 0.01)
+        if not _is_real_number(epsilon_tolerance) or not (0 < epsilon_tolerance < math.inf):
+            raise ValueError(
+                "epsilon_tolerance must be a finite number > 0 (how far below target_epsilon the "
+                f"reached epsilon may be), got {epsilon_tolerance!r}."
+            )
+        self._validate_args(
+            noise_multiplier=None,
+            max_grad_norm=max_grad_norm,
+            clipping=clipping,
+            loss_reduction=loss_reduction,
+            noise_generator=noise_generator,
+            grad_sample_mode=grad_sample_mode,
+            data_loader=data_loader,
+            poisson_sampling=poisson_sampling,
+        )
+        own = _parameter_names(PrivacyEngine.make_private_with_epsilon) | {"epsilon_tolerance"}
+        self._validate_extra_kwargs(
+            kwargs,
+            module=module,
+            clipping=clipping,
+            grad_sample_mode=grad_sample_mode,
+            where="make_private_with_epsilon",
+            own=own | _parameter_names(PrivacyEngine.make_private) - {"noise_multiplier"},
+            passthrough=frozenset({"multi_pass"}),
+            engine_set={
+                "noise_multiplier": "make_private_with_epsilon computes it from target_epsilon "
+                "(call make_private to choose it yourself)",
+            },
+        )
+        num_records = self._records_in_loader(
+            data_loader,
+            poisson_sampling=poisson_sampling,
+            distributed=self._is_distributed(module),
+        )
+        if target_delta >= 1 / num_records:
+            warnings.warn(
+                f"target_delta={target_delta:g} is >= 1/N = {1 / num_records:g} (N = "
+                f"{num_records} records): a mechanism that publishes one random record in full "
+                "satisfies such a delta. Use delta well below 1/N (e.g. 1/N^1.1 or 1e-5 for "
+                "N < 100000).",
+                UserWarning,
+                stacklevel=2,
+            )
         if len(self.accountant) > 0:
             warnings.warn(
                 "make_private_with_epsilon on a PrivacyEngine that already accounted steps: the "
@@ -537,7 +824,6 @@ class PrivacyEngine:
                 stacklevel=2,
             )
         sample_rate = 1 / len(data_loader)
-        epsilon_tolerance = kwargs.pop("epsilon_tolerance", 0.01)
         noise_multiplier = _accountants().get_noise_multiplier(
             target_epsilon=target_epsilon,
             target_delta=target_delta,
@@ -546,6 +832,16 @@ class PrivacyEngine:
             accountant=self.accountant.mechanism(),
             epsilon_tolerance=epsilon_tolerance,
         )
+        if noise_multiplier > _EXTREME_NOISE_MULTIPLIER:
+            warnings.warn(
+                f"target_epsilon={target_epsilon:g} needs noise_multiplier={noise_multiplier:.4g} "
+                f"(sample rate {sample_rate:.4g}, {epochs} epochs): the noise is more than "
+                f"{_EXTREME_NOISE_MULTIPLIER:g} times the clipping norm, so the model will learn "
+                "next to nothing. Check target_epsilon (typical values 1-10), or use more data, "
+                "larger batches or fewer epochs.",
+                UserWarning,
+                stacklevel=2,
+            )
         return self.make_private(
             module=module,
             optimizer=optimizer,
@@ -564,7 +860,20 @@ class PrivacyEngine:
         )
 
     def get_epsilon(self, delta: float) -> float:
-        """The ε spent so far for ``delta``, by this engine's accountant."""
+        """The ε spent so far for ``delta``, by this engine's accountant.
+
+        Warns (``UserWarning``) when ``delta >= 1/N``, N being the number of records the data
+        loader of the last ``make_private`` can yield: such a δ is too weak to mean privacy.
+        """
+        n = self._num_records
+        if n is not None and _is_real_number(delta) and delta >= 1 / n:
+            warnings.warn(
+                f"delta={delta:g} is >= 1/N = {1 / n:g} (N = {n} records): a mechanism that "
+                "publishes one random record in full satisfies such a delta, so the epsilon "
+                "reported for it means little. Use delta well below 1/N.",
+                UserWarning,
+                stacklevel=2,
+            )
         return self.accountant.get_epsilon(delta=delta)
 
     # ------------------------------------------------------------------ checkpoints
@@ -688,7 +997,7 @@ class PrivacyEngine:
         return ckpt
 
 
-_DP_SETTINGS = ("noise_multiplier", "max_grad_norms", "max_grad_norm", "unclipped_num", "sample_size")
+_DP_SETTINGS = ("noise_multiplier", "unclipped_num", "sample_size")
 
 
 def _validate_multi_pass_mode(
@@ -722,21 +1031,30 @@ def _validate_multi_pass_mode(
 
 
 def _dp_settings(optimizer: DPOptimizer) -> dict[str, Any]:
-    """DP hyper-parameters that schedules / adaptive clipping change during training."""
-    out = {}
+    """DP hyper-parameters that schedules / adaptive clipping change during training: the noise
+    multiplier, AdaClip's counts, and the clipping contract's bound(s)."""
+    out: dict[str, Any] = {"clipping": optimizer.clipping.state_dict()}
     for k in _DP_SETTINGS:
-        if k == "max_grad_norm" or k in optimizer.__dict__:
+        if k in optimizer.__dict__:
             v = getattr(optimizer, k)
-            out[k] = list(v) if isinstance(v, list) else (float(v) if _is_real_number(v) else v)
+            out[k] = float(v) if _is_real_number(v) else v
     return out
 
 
 def _load_dp_settings(optimizer: DPOptimizer, state: dict[str, Any]) -> None:
-    if "max_grad_norms" in state and "max_grad_norms" in optimizer.__dict__:
-        optimizer.max_grad_norms = list(state["max_grad_norms"])
+    state = dict(state)
+    clipping = state.pop("clipping", None)
+    if clipping is not None:
+        optimizer.clipping.load_state_dict(clipping)
+    else:  # checkpoints written before the clipping contract
+        norms = state.pop("max_grad_norms", None)
+        flat = state.pop("max_grad_norm", None)
+        if norms is not None and optimizer.clipping.per_layer:
+            optimizer.clipping.max_grad_norms = norms
+        elif flat is not None:
+            optimizer.clipping.max_grad_norm = flat
     for k, v in state.items():
-        if k != "max_grad_norms":
-            setattr(optimizer, k, v)
+        setattr(optimizer, k, v)
 
 
 def _loader_generators(data_loader: DataLoader) -> dict[str, torch.Generator]:

@@ -21,8 +21,10 @@ def ft_compute_per_sample_gradient(
     backprops: torch.Tensor,
     kwargs: dict | None = None,
     batch_first: bool = True,
+    params: Sequence[tuple[str, nn.Parameter]] | None = None,
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the layer's own trainable parameters.
+    """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the layer's own trainable parameters
+    (or the named ``params`` of the layer, when given).
 
     ``activations`` are the layer's positional inputs and ``backprops`` the output gradient, both
     batch-first ``(B, ...)``; tensors whose leading size is not ``B`` are treated as shared by all
@@ -30,7 +32,9 @@ def ft_compute_per_sample_gradient(
     layer on one sample. Returns ``{param: (B, *param.shape)}``.
     """
     kwargs = kwargs or {}
-    named = [(n, p) for n, p in unit_parameters(layer) if p.requires_grad]
+    if params is None:
+        params = unit_parameters(layer)
+    named = [(n, p) for n, p in params if p.requires_grad]
     if not named:
         return {}
     names = [n for n, _ in named]
@@ -69,7 +73,11 @@ def _vmap_grad(
         kw = dict(kwargs)
         for k, v in zip(batched_kw, kw_values):
             kw[k] = v.unsqueeze(bdim)
-        out = functional_call(layer, dict(zip(names, param_values)), tuple(args), kw)
+        # tie_weights=False: only these names are substituted, so a parameter this layer shares
+        # with another hooked module is differentiated where that module samples it
+        out = functional_call(
+            layer, dict(zip(names, param_values)), tuple(args), kw, tie_weights=False
+        )
         if isinstance(out, (tuple, list)):
             out = out[0]
         return (out * g.unsqueeze(bdim)).sum()

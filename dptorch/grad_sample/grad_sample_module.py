@@ -17,17 +17,20 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from .functorch import ft_compute_per_sample_gradient
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
 from .registry import GRAD_SAMPLERS
-from .unit_params import trainable_units
+from .step_record import PassRecord, StepRecord, register_record, unregister_record
+from .unit_params import sampled_parameters, trainable_units
+from .use_trace import UseTrace, tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,17 @@ class GradSampleModule(AbstractGradSampleModule):
             A second backward before the step is then legitimate, so
             :meth:`forbid_grad_accumulation` no longer applies; every pass between two steps
             must come from one logical batch (docs/multi_pass.md).
+
+    Guarantees (checked, else ``ValueError`` naming the module and the fix):
+
+    * every per-sample tensor of a pass has exactly ``B`` rows, ``B`` the batch size of the
+      wrapped module's output (else of its input), the same for every call; a layer called on a batch-independent input with a batch
+      dimension of size 1 (Hugging Face ``position_ids`` of shape ``[1, T]``) has its output
+      expanded to ``B``, which makes its per-sample gradients exact;
+    * the first forward pass (and the first after the set of trainable parameters changes) is
+      traced (:class:`~dptorch.grad_sample.use_trace.UseTrace`): every use of a trainable
+      parameter must be seen by a hook, and every hooked call must take its rows from the batch;
+    * parameters unfrozen after wrapping get hooks at the next forward pass.
     """
 
     GRAD_SAMPLERS = GRAD_SAMPLERS
@@ -106,44 +120,78 @@ class GradSampleModule(AbstractGradSampleModule):
             logger.warning("GradSampleModule: %s", e)
         self.multi_pass = multi_pass
         self._public_depth = 0
-        self._pass_public: list[bool] = []
         self.hooks_enabled = False
         self.forward_hooks_enabled = True
         self.backward_hooks_enabled = True
         self.autograd_grad_sample_hooks: list = []
         self._in_functorch = False
         self._pending: dict[int, nn.Parameter] = {}
+        self._pass: PassRecord | None = None
         self._callback_queued = False
+        self._batch_size: int | None = None
+        self._expected_rows: int | None = None
+        self._forward: _ForwardBatch | None = None
+        self._trace: UseTrace | None = None
+        self._trace_armed = True
+        self._sampled: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        self._trainable_signature: tuple = ()
+        self.record = StepRecord()
+        self._adapters = install_adapters(m)
         self.add_hooks(
             loss_reduction=loss_reduction, batch_first=batch_first, force_functorch=force_functorch
         )
 
     def forward(self, *args, **kwargs):
-        return self._module(*args, **kwargs)
+        training = self._module.training and torch.is_grad_enabled() and self.hooks_enabled
+        if training and self._trainable_signature != _trainable_signature(self._module):
+            self._refresh_units()
+        self._batch_size = infer_batch_size(args, kwargs, self.batch_first)
+        self._forward = _ForwardBatch(self._batch_size)
+        try:
+            if training and self._trace_armed:
+                out = self._traced_forward(args, kwargs)
+            else:
+                out = self._module(*args, **kwargs)
+            self._forward.output_rows = output_batch_size(out, self.batch_first)
+            return out
+        finally:
+            self._batch_size = None
+            self._forward = None
 
     # ------------------------------------------------------------------ hooks management
     def add_hooks(
         self, *, loss_reduction: str = "mean", batch_first: bool = True, force_functorch: bool = False
     ) -> None:
         """Installs the forward hooks that capture activations and backprops of every layer that
-        owns trainable parameters."""
+        samples trainable parameters (see :func:`~dptorch.grad_sample.unit_params.sampled_parameters`)."""
         if self.autograd_grad_sample_hooks:
             raise ValueError("Hooks are already attached; call remove_hooks() first.")
         self.loss_reduction = loss_reduction
         self.batch_first = batch_first
         self.force_functorch = force_functorch
+        self._sampled = sampled_parameters(self._module)
+        self._trainable_signature = _trainable_signature(self._module)
+        self._module_names = {id(m): name or "<root>" for name, m in self._module.named_modules()}
         for module in self.iterate_submodules(self._module):
             handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
             self.autograd_grad_sample_hooks.append(handle)
+        register_record(self._module.parameters(), self.record)
+        self._trace_armed = True
         self.enable_hooks()
 
     def iterate_submodules(self, module: nn.Module) -> Iterator[nn.Module]:
         """The submodules of ``module`` (itself included) that get a per-sample-gradient hook:
-        those owning trainable parameters (parametrization originals count for the module they
-        parametrize). Unlike Opacus, a layer without a grad sampler does not hide its
+        those that sample trainable parameters (parametrization originals count for the module
+        they parametrize). Unlike Opacus, a layer without a grad sampler does not hide its
         submodules: ``torch.func`` computes the gradients of each such module's own parameters."""
-        for _, m in trainable_units(module):
-            yield m
+        sampled = self._sampled if module is self._module else sampled_parameters(module)
+        for m in module.modules():
+            if id(m) in sampled:
+                yield m
+
+    def sampled_params(self, module: nn.Module) -> list[nn.Parameter]:
+        """The trainable parameters whose per-sample gradients ``module``'s hook computes."""
+        return [p for _, p in self._sampled.get(id(module), ())]
 
     def remove_hooks(self) -> None:
         """Removes all hooks added by :meth:`add_hooks`."""
@@ -151,6 +199,28 @@ class GradSampleModule(AbstractGradSampleModule):
         for h in self.autograd_grad_sample_hooks:
             h.remove()
         self.autograd_grad_sample_hooks = []
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        unregister_record(self._module.parameters(), self.record)
+        for remove in self._adapters:
+            remove()
+        self._adapters = []
+
+    def _refresh_units(self) -> None:
+        """The trainable parameters changed since wrapping (``requires_grad`` flipped): hooks
+        are installed anew for them, and the next forward pass is traced again."""
+        if self._pending or self._callback_queued:
+            raise ValueError(
+                "Parameters were frozen or unfrozen during a backward pass; change "
+                "requires_grad between steps."
+            )
+        self.remove_hooks()
+        self.add_hooks(
+            loss_reduction=self.loss_reduction,
+            batch_first=self.batch_first,
+            force_functorch=self.force_functorch,
+        )
 
     def disable_hooks(self) -> None:
         """Turns every hook of this module off (graphs built earlier keep theirs, now inert)."""
@@ -174,6 +244,10 @@ class GradSampleModule(AbstractGradSampleModule):
     def enable_backward_hooks(self) -> None:
         self.backward_hooks_enabled = True
 
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self.record.reset()
+
     @contextlib.contextmanager
     def public_pass(self):
         """Multi-pass mode: the backward passes run inside this block are declared *public*: they
@@ -189,14 +263,50 @@ class GradSampleModule(AbstractGradSampleModule):
         finally:
             self._public_depth -= 1
 
+    # ------------------------------------------------------------------ the traced forward
+    def _traced_forward(self, args, kwargs):
+        """The forward pass under a :class:`UseTrace`; raises if it finds a problem."""
+        params = {
+            id(p): (name, p) for name, p in self._module.named_parameters() if p.requires_grad
+        }
+        batch_inputs = list(tensors_in((args, kwargs)))
+        bsz = self._batch_size if batch_inputs else None
+        trace = UseTrace(params, self._module_names, batch_inputs, bsz, 0 if self.batch_first else 1)
+        pre = [
+            m.register_forward_pre_hook(self._trace_enter, with_kwargs=True)
+            for m in self.iterate_submodules(self._module)
+        ]
+        self._trace = trace
+        try:
+            with trace:
+                out = self._module(*args, **kwargs)
+        finally:
+            self._trace = None
+            for h in pre:
+                h.remove()
+        trace.check()
+        self._trace_armed = False
+        return out
+
+    def _trace_enter(self, module, args, kwargs):
+        if self._trace is not None and module.training:
+            with self._trace.paused():
+                self._trace.enter(module, {id(p) for p in self.sampled_params(module)}, (args, kwargs))
+
     # ------------------------------------------------------------------ capture
     def _forward_hook(self, module, args, kwargs, output):
-        self.capture_activations_hook(module, args, output, forward_kwargs=kwargs)
+        trace = self._trace
+        if trace is None:
+            return self._capture_call(module, args, kwargs, output)
+        with trace.paused():
+            new = self._capture_call(module, args, kwargs, output)
+            if module.training:
+                trace.exit(module, output, expanded=new is not None)
+            return new
 
-    def capture_activations_hook(
-        self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None
-    ) -> None:
-        """Forward hook: remembers this call's inputs and hooks the gradient of its output."""
+    def _capture_call(self, module, args, kwargs, output):
+        """Keeps this call's inputs and hooks the gradient of its first output; returns the new
+        output where a batch dimension of size 1 was expanded to the batch (else ``None``)."""
         if (
             not self.hooks_enabled
             or not self.forward_hooks_enabled
@@ -204,22 +314,40 @@ class GradSampleModule(AbstractGradSampleModule):
             or not module.training
             or not torch.is_grad_enabled()
         ):
-            return
-        out = _first_tensor(_forward_output)
+            return None
+        out = _first_tensor(output)
         if out is None or not out.requires_grad:
-            return
-        activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in forward_input]
-        kwargs = {
-            k: (v.detach() if isinstance(v, torch.Tensor) else v)
-            for k, v in (forward_kwargs or {}).items()
-        }
+            return None
+        activations = list(args)
+        kwargs = dict(kwargs or {})
+        new_output = None
+        bdim = 0 if module_batch_first(module, self.batch_first) else 1
+        b = self._batch_size
+        if b is not None and b > 1 and _batch_dim_is_one(out, bdim):
+            if all(_batch_dim_is_one(a, bdim) for a in tensors_in((activations, kwargs), 2)
+                   if a.dim() > bdim):
+                out = _expand_batch(out, bdim, b)
+                activations = [_expand_batch(a, bdim, b) for a in activations]
+                kwargs = {k: _expand_batch(v, bdim, b) for k, v in kwargs.items()}
+                new_output = _replace_first_tensor(output, out)
+        activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in activations]
+        kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         if kwargs:
             activations, kwargs = _kwargs_to_positional(module, activations, kwargs)
-        out.register_hook(partial(self._on_backprops, module, activations, kwargs))
+        self.capture_activations_hook(module, activations, out, forward_kwargs=kwargs)
+        out.register_hook(partial(self._on_backprops, module, activations, kwargs, self._forward))
+        return new_output
 
-    def _on_backprops(self, module, activations, kwargs, grad):
+    def capture_activations_hook(
+        self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None
+    ) -> None:
+        """Runs once per hooked call in the forward pass, after its inputs were kept (fast
+        clipping counts calls and keeps output edges here)."""
+
+    def _on_backprops(self, module, activations, kwargs, fwd, grad):
         if not self.hooks_enabled or not self.backward_hooks_enabled:
             return None
+        self._expected_rows = fwd.rows if fwd is not None else None
         self.capture_backprops_hook(
             module, activations, grad, self.loss_reduction, self.batch_first, forward_kwargs=kwargs
         )
@@ -246,9 +374,43 @@ class GradSampleModule(AbstractGradSampleModule):
             batch_first=batch_first,
             activations=_forward_input,
         )
-        n = getattr(module, "max_batch_len", None) or backprops.shape[0]
-        self._process_call(module, activations, backprops, forward_kwargs, n)
         self._queue_end_of_backward()
+        n = self._check_rows(module, backprops.shape[0])
+        self._process_call(module, activations, backprops, forward_kwargs, n)
+
+    def _check_rows(self, module: nn.Module, rows: int) -> int:
+        """The rows every per-sample tensor of this call must have, else ``ValueError``.
+
+        Every call of a backward pass must have as many rows as the batch: the batch size of
+        the wrapped module's input (for layers following the module's ``batch_first``), and
+        the same for every call of the pass. A layer fed shrinking batches (recurrent layers)
+        declares ``max_batch_len`` and is padded to it; nothing else is ever padded."""
+        name = self._module_names.get(id(module), type(module).__name__)
+        declared = getattr(module, "max_batch_len", None)
+        if declared:
+            if rows > declared:
+                raise ValueError(
+                    f"{name} declares max_batch_len={declared} but received {rows} rows."
+                )
+            rows = declared
+        follows = getattr(module, "grad_sample_batch_first", None) is None
+        expected = self._expected_rows if follows else None
+        rec = self._pass
+        if expected is None:
+            expected = rec.batch_size
+        if expected is not None and rows != expected:
+            dim = "0" if module_batch_first(module, self.batch_first) else "1"
+            raise ValueError(
+                f"{name} ({type(module).__name__}) has {rows} rows in its batch dimension "
+                f"({dim}) but the batch has {expected} samples: its per-sample gradients would "
+                "mix samples (e.g. an input that does not come from the batch, such as an index "
+                "of shape [T, T], or a wrong batch_first). Fix: check batch_first (the batch must "
+                f"be dimension {dim} of this layer's input), or feed the layer per-sample inputs "
+                "(expand a shared input to the batch)."
+            )
+        if rec.batch_size is None:
+            rec.batch_size = rows
+        return rows
 
     def _process_call(self, module, activations, backprops, kwargs, max_batch_len: int) -> None:
         """One call's contribution from batch-first ``activations``/``backprops``: per-sample
@@ -258,9 +420,11 @@ class GradSampleModule(AbstractGradSampleModule):
             self._accumulate_current(p, gs, max_batch_len)
 
     def _compute_grad_samples(self, module, activations, backprops, kwargs):
+        sampled = self._sampled.get(id(module), ())
         sampler = None if self.force_functorch else self.GRAD_SAMPLERS.get(type(module))
         if sampler is not None:
-            return sampler(module, activations, backprops)
+            ids = {id(p) for _, p in sampled}
+            return {p: g for p, g in sampler(module, activations, backprops).items() if id(p) in ids}
         self._in_functorch = True
         try:
             return ft_compute_per_sample_gradient(
@@ -269,6 +433,7 @@ class GradSampleModule(AbstractGradSampleModule):
                 backprops,
                 kwargs,
                 batch_first=module_batch_first(module, self.batch_first),
+                params=sampled,
             )
         finally:
             self._in_functorch = False
@@ -302,15 +467,24 @@ class GradSampleModule(AbstractGradSampleModule):
         if p.requires_grad:
             create_or_accumulate_grad_sample(param=p, grad_sample=gs, max_batch_len=max_batch_len)
             self._pending[id(p)] = p
+            self._pass.covered.add(id(p))
 
     # ------------------------------------------------------------------ end of a backward pass
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self._pass = PassRecord(public=self._public_depth > 0)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _end_of_backward(self) -> None:
+    def _take_pass(self) -> PassRecord:
+        """Ends the pass: its record is appended to :attr:`record`."""
         self._callback_queued = False
+        rec, self._pass = self._pass, None
+        self._expected_rows = None
+        self.record.add_pass(rec)
+        return rec
+
+    def _end_of_backward(self) -> None:
         pending, self._pending = list(self._pending.values()), {}
         if self.multi_pass:
             self._publish_pass(pending)
@@ -320,7 +494,10 @@ class GradSampleModule(AbstractGradSampleModule):
         ):
             for p in pending:
                 del p._current_grad_sample
+            self._callback_queued = False
+            self._pass = None
             raise ValueError(ACCUMULATION_FORBIDDEN_MESSAGE)
+        self._take_pass()
         for p in pending:
             promote_current_grad_sample(p)
 
@@ -328,25 +505,21 @@ class GradSampleModule(AbstractGradSampleModule):
         """Multi-pass mode: appends this backward pass as a new slice of every ``p.grad_sample``.
 
         Parameters the pass did not reach get a zero slice. Raises ``RuntimeError`` when the
-        current per-sample gradients were already clipped or folded by the optimizer's manual
-        stages (a pass recorded between ``clip()`` and ``step()`` would be restacked unclipped).
-        A slice published after a step without ``zero_grad`` inherits the "processed" mark, so
-        the optimizer refuses to spend those per-sample gradients a second time.
+        current per-sample gradients were already clipped by the optimizer's manual stages (a
+        pass recorded between ``clip()`` and ``step()`` would be restacked unclipped).
         """
-        params = [p for p in self.trainable_parameters()]
-        for p in params:
-            if getattr(getattr(p, "grad_sample", None), "_dp_stage_applied", False):
-                for q in pending:
-                    del q._current_grad_sample
-                raise RuntimeError(
-                    "A backward pass recorded per-sample gradients after optimizer.clip(): they "
-                    "would escape clipping. Run auxiliary passes between clip() and step() with "
-                    "the hooks off (GradSampleModule.disable_backward_hooks()), or before clip()."
-                )
-        pass_idx = max((len(getattr(p, "_grad_sample_passes", ())) for p in params), default=0)
-        self._pass_public = self._pass_public[:pass_idx] if pass_idx else []
-        self._pass_public.append(self._public_depth > 0)
-        processed = any(hasattr(getattr(p, "grad_sample", None), "_processed") for p in params)
+        if self.record.clipped_in_place:
+            for q in pending:
+                del q._current_grad_sample
+            self._callback_queued = False
+            self._pass = None
+            raise RuntimeError(
+                "A backward pass recorded per-sample gradients after optimizer.clip(): they "
+                "would escape clipping. Run auxiliary passes between clip() and step() with "
+                "the hooks off (GradSampleModule.disable_backward_hooks()), or before clip()."
+            )
+        self._take_pass()
+        pass_idx = len(self.record.passes) - 1
         touched = {id(p) for p in pending}
         for p in pending:
             passes = getattr(p, "_grad_sample_passes", [])
@@ -354,16 +527,13 @@ class GradSampleModule(AbstractGradSampleModule):
             passes.append(p._current_grad_sample)
             del p._current_grad_sample
             p._grad_sample_passes = passes
-        for p in params:
+        for p in self.trainable_parameters():
             passes = getattr(p, "_grad_sample_passes", None)
             if passes is None:
                 continue
             if id(p) not in touched:
                 passes.extend([None] * (pass_idx + 1 - len(passes)))
             p.grad_sample = _stack_passes(p, passes)
-            p.grad_sample._pass_public = tuple(self._pass_public)
-            if processed:
-                p.grad_sample._processed = True
 
     # ------------------------------------------------------------------ validation
     @classmethod
@@ -385,6 +555,88 @@ class GradSampleModule(AbstractGradSampleModule):
                 + "\n".join(f"  - {e}" for e in errors)
             )
         return errors
+
+
+def install_adapters(model: nn.Module) -> list:
+    """Model adapters (:mod:`dptorch.grad_sample.hf_adapters`) installed on ``model``."""
+    try:
+        from .hf_adapters import install_adapters as install
+    except ImportError:
+        return []
+    return install(model)
+
+
+def _trainable_signature(module: nn.Module) -> tuple:
+    return tuple(id(p) for p in module.parameters() if p.requires_grad)
+
+
+@dataclass
+class _ForwardBatch:
+    """The batch size of one forward pass of the wrapped module: rows of its input and of its
+    output (first tensor with a batch dimension); the output's is the loss's batch."""
+
+    input_rows: int | None
+    output_rows: int | None = None
+
+    @property
+    def rows(self) -> int | None:
+        return self.output_rows if self.output_rows is not None else self.input_rows
+
+
+def output_batch_size(out, batch_first: bool = True) -> int | None:
+    """The batch dimension's size of the first non-scalar tensor of a model output (a tensor,
+    a tuple or list, or a mapping such as a Hugging Face ``ModelOutput``), or ``None``."""
+    if isinstance(out, Mapping):
+        out = list(out.values())
+    for t in tensors_in(out, 2):
+        if t.dim() > 0:
+            bdim = 0 if batch_first or t.dim() < 2 else 1
+            return int(t.shape[bdim])
+    return None
+
+
+def infer_batch_size(args: tuple, kwargs: dict, batch_first: bool = True) -> int | None:
+    """The batch size of a forward call: the batch dimension of its first tensor input (a
+    ``PackedSequence``: its first time step's size), or ``None`` without a tensor input, or when
+    the first input is a flat 1-d index with a second 1-d index beside it (``EmbeddingBag``'s
+    ``(input, offsets)``, whose batch is the number of bags)."""
+    values = list(args) + list(kwargs.values())
+    for v in values:
+        if isinstance(v, PackedSequence):
+            return int(v.batch_sizes[0]) if len(v.batch_sizes) else 0
+        t = next(tensors_in(v), None)
+        if t is not None and t.dim() > 0:
+            if t.dim() == 1 and not t.is_floating_point():
+                flat = [u for u in tensors_in(values) if u.dim() == 1 and not u.is_floating_point()]
+                if len(flat) > 1:
+                    return None
+            bdim = 0 if batch_first or t.dim() < 2 else 1
+            return int(t.shape[bdim])
+    return None
+
+
+def _batch_dim_is_one(t, bdim: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > bdim and t.shape[bdim] == 1
+
+
+def _expand_batch(t, bdim: int, b: int):
+    """``t`` with its batch dimension of size 1 expanded (a view) to ``b``."""
+    if not _batch_dim_is_one(t, bdim):
+        return t
+    shape = list(t.shape)
+    shape[bdim] = b
+    return t.expand(shape)
+
+
+def _replace_first_tensor(output, new: torch.Tensor):
+    if isinstance(output, torch.Tensor):
+        return new
+    items = list(output)
+    for i, v in enumerate(items):
+        if isinstance(v, torch.Tensor):
+            items[i] = new
+            break
+    return type(output)(items) if not hasattr(output, "_fields") else type(output)(*items)
 
 
 @dataclass(frozen=True)
@@ -503,8 +755,7 @@ def _pad_batch(t: torch.Tensor, n: int) -> torch.Tensor:
 def _stack_passes(p: nn.Parameter, passes: list) -> torch.Tensor:
     """Stacks the per-pass gradients of ``p`` into ``(n_passes, B_max, *p.shape)``, zero padded.
 
-    The result carries ``_pass_batch_sizes``: the batch size of each pass (``None`` where the
-    pass did not reach ``p``), which the optimizer checks in ``accum_passes=True`` mode.
+    The batch size of each pass is in the module's :class:`StepRecord`.
     """
     b = max((g.shape[0] for g in passes if g is not None), default=0)
     ref = next(g for g in passes if g is not None)
@@ -512,5 +763,4 @@ def _stack_passes(p: nn.Parameter, passes: list) -> torch.Tensor:
     for i, g in enumerate(passes):
         if g is not None:
             out[i, : g.shape[0]] = g
-    out._pass_batch_sizes = tuple(None if g is None else g.shape[0] for g in passes)
     return out

@@ -40,11 +40,8 @@ from .grad_sample_module import module_batch_first
 from .grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
     clip_factors,
-    clip_norm_list,
-    total_clip_norm,
 )
 from .norm_samplers import CLIPPED_SUM_FNS, generic_clipped_sum, prefer_ghost
-from .unit_params import trainable_units, unit_parameters
 from .utils import register_grad_sample_mode
 
 logger = logging.getLogger(__name__)
@@ -146,40 +143,42 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     previous value) the clipped sum ``Σ_b c_b ∇_p loss_b`` of the batch, and
     ``per_sample_gradient_norms`` the per-sample norms.
 
-    Args: as :class:`GradSampleModuleFastGradientClipping`; ``max_grad_norm`` may be a list with
-    one norm per trainable parameter (per-layer clipping). It must match the optimizer's.
+    Args: as :class:`GradSampleModuleFastGradientClipping`; the contract may be per-layer
+    (``max_grad_norm`` a list with one norm per trainable parameter). The clip factors are
+    computed from the shared contract at the end of every backward pass, and the bound they
+    used is recorded for the optimizer to check against the noise it adds.
+
+    A gradient that autograd computes for a parameter outside the hooked calls (a weight used
+    functionally) is refused with ``ValueError`` instead of being released or dropped.
     """
 
     def __init__(self, m: nn.Module, **kwargs):
         self._bk_handles: list = []
         self._bk_overridden: list[nn.Module] = []
+        self._no_autograd: set[int] = set()
+        self._fallback: set[int] = set()
+        self._reached: dict[int, nn.Parameter] = {}
         super().__init__(m, **kwargs)
         self._keep_output_edges = False  # no norm pass: one ordinary backward
         self._records: list[tuple[nn.Module, list, torch.Tensor, dict | None]] = []
         self._install_bk()
 
-    def _check_max_grad_norm(self, value) -> None:
-        if isinstance(value, (list, tuple)):
-            clip_norm_list(value, len(self.trainable_parameters()))
-            for c in value:
-                super()._check_max_grad_norm(c)
-            return
-        super()._check_max_grad_norm(value)
+    def _check_contract(self, clipping) -> None:
+        """Per-layer contracts are fine: the factors are applied parameter by parameter."""
 
     # ------------------------------------------------------------------ install / remove
     def _install_bk(self) -> None:
-        for _, module in trainable_units(self._module):
+        for module in self.iterate_submodules(self._module):
+            params = self.sampled_params(module)
             fn = _no_weight_grad_forward(module)
             if fn is not None:
                 module.forward = partial(self._bk_forward, module, fn, type(module).forward)
                 self._bk_overridden.append(module)
-            # fires only where autograd does compute the parameter's gradient
-            for _, p in unit_parameters(module):
-                if p.requires_grad:
-                    self._bk_handles.append(p.register_hook(self._zero_autograd_grad))
+                self._no_autograd |= {id(p) for p in params}
+            for p in params:
+                self._bk_handles.append(p.register_hook(partial(self._on_autograd_grad, p)))
 
-    def cleanup(self) -> None:
-        super().cleanup()
+    def _remove_bk(self) -> None:
         for h in self._bk_handles:
             h.remove()
         self._bk_handles = []
@@ -187,28 +186,48 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             if "forward" in module.__dict__:
                 del module.forward
         self._bk_overridden = []
+        self._no_autograd = set()
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        self._remove_bk()
+
+    def _refresh_units(self) -> None:
+        self._remove_bk()
+        super()._refresh_units()
+        self._install_bk()
 
     def _active(self) -> bool:
         return self.hooks_enabled and self.backward_hooks_enabled and not self._in_functorch
 
     def _bk_forward(self, module, fn, original, *args, **kwargs):
-        if (
-            self._active()
-            and self.forward_hooks_enabled
-            and module.training
-            and torch.is_grad_enabled()
-            and not kwargs
-            and len(args) == 1
-        ):
-            return fn(module, *args)
+        if self._active() and self.forward_hooks_enabled and module.training and torch.is_grad_enabled():
+            if not kwargs and len(args) == 1:
+                return fn(module, *args)
+            self._fallback |= {id(p) for p in self.sampled_params(module)}
         return original(module, *args, **kwargs)
 
-    def _zero_autograd_grad(self, grad: torch.Tensor):
-        """Tensor hook of parameters whose layer runs through plain autograd: their unclipped
-        batch gradient is replaced by zeros (the clipped sum is added at the end of the pass)."""
-        if grad is not None and self._active():
-            return torch.zeros_like(grad)
-        return None
+    def _on_autograd_grad(self, p: nn.Parameter, grad: torch.Tensor):
+        """Tensor hook: autograd computed a gradient for ``p``. It is replaced by zeros (the
+        clipped sum is added at the end of the pass); the pass must have covered ``p``, and a
+        layer whose forward computes no weight gradient must not get one at all."""
+        if grad is None or not self._active():
+            return None
+        if id(p) in self._no_autograd and id(p) not in self._fallback:
+            raise ValueError(
+                f"{self._param_name(p)} received a gradient from a use outside its layer's "
+                "call (e.g. F.linear(h, layer.weight), or a term of the loss): that contribution "
+                "would not be clipped per sample. Call the layer instead of using its parameter "
+                "directly, or freeze the parameter."
+            )
+        self._reached[id(p)] = p
+        return torch.zeros_like(grad)
+
+    def _param_name(self, p: nn.Parameter) -> str:
+        for name, q in self._module.named_parameters():
+            if q is p:
+                return f"parameter {name}"
+        return f"a parameter of shape {tuple(p.shape)}"
 
     # ------------------------------------------------------------------ capture
     def _use_norm_sampler(self, module, activations, backprops) -> bool:
@@ -218,7 +237,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             return True
         # instantiation is cheaper: keep the per-sample gradient (it also gives the clipped sum
         # by one weighted sum) unless it is larger than the (A, G) it replaces
-        size = sum(p.numel() for _, p in unit_parameters(module) if p.requires_grad)
+        size = sum(p.numel() for p in self.sampled_params(module))
         kept = backprops.shape[0] * size
         replaced = backprops.numel() + sum(
             a.numel() for a in activations if isinstance(a, torch.Tensor)
@@ -232,22 +251,28 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         return True
 
     # ------------------------------------------------------------------ clipped sums
-    def _after_norms(self, norm_sq) -> None:
+    def _after_norms(self, norm_sq, rec) -> None:
         records, self._records = self._records, []
-        params = self.trainable_parameters()
-        limits = clip_norm_list(self.max_grad_norm, len(params))
-        per_layer = isinstance(self.max_grad_norm, (list, tuple))
-        b = self.per_sample_gradient_norms.shape[0]
-        if per_layer:
-            sq = {id(p): s for p, s in norm_sq}
-            coef = {
-                id(p): clip_factors(sq[id(p)].sqrt(), c)
-                for p, c in zip(params, limits)
-                if id(p) in sq
-            }
+        reached, self._reached = self._reached, {}
+        self._fallback = set()
+        uncovered = [p for i, p in reached.items() if i not in rec.covered]
+        if uncovered:
+            for p, _ in norm_sq:
+                if hasattr(p, "_current_grad_sample"):
+                    del p._current_grad_sample
+            raise ValueError(
+                ", ".join(self._param_name(p) for p in uncovered)
+                + " received a gradient in this backward pass but no hooked layer call used it "
+                "(a parameter used outside its module's forward): it would not be clipped per "
+                "sample. Call the module that owns it, or freeze it."
+            )
+        contract = self.clipping
+        if contract.per_layer:
+            coef = {id(p): clip_factors(sq.sqrt(), contract.bound_for(p)) for p, sq in norm_sq}
         else:
-            flat = clip_factors(self.per_sample_gradient_norms, limits[0] if limits else 1.0)
+            flat = contract.flat_factors(self.per_sample_gradient_norms)
             coef = {id(p): flat for p, _ in norm_sq}
+        b = self.per_sample_gradient_norms.shape[0]
         sums: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
 
         def add(p, g):
@@ -266,11 +291,11 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         for p, g in sums.values():
             g = g.to(p.dtype).view_as(p)
             p.grad = g if p.grad is None else p.grad + g
-        self.mark_clipped_pass()
+        self.mark_clipped_pass(contract.snapshot())
 
     def _clipped_sum(self, module, activations, backprops, kwargs, coef, b) -> dict:
         """``{p: Σ_b c_b ∇_p loss_b}`` of one recorded call, from ``(A, c ⊙ G)``."""
-        params = [p for _, p in unit_parameters(module) if p.requires_grad]
+        params = self.sampled_params(module)
         groups: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
         for p in params:  # parameters sharing a factor tensor are summed in one call
             c = coef.get(id(p))
@@ -295,6 +320,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                     res = generic_clipped_sum(
                         module, activations, scaled, kwargs,
                         batch_first=module_batch_first(module, self.batch_first),
+                        params=self._sampled.get(id(module)),
                     )
                 finally:
                     self._in_functorch = False
@@ -306,7 +332,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     @property
     def total_max_grad_norm(self) -> float:
         """The sensitivity of the clipped sum: ``C``, or ``sqrt(Σ C_i²)`` per layer."""
-        return total_clip_norm(self.max_grad_norm)
+        return self.clipping.max_grad_norm
 
 
 register_grad_sample_mode("bk", GradSampleModuleBookKeeping)

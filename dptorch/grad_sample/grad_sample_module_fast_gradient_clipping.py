@@ -29,17 +29,17 @@ composes. The book-keeping mode (``"bk"``, one backward pass) is the subclass in
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from .grad_sample_module import GradSampleModule, _first_tensor
-from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, FAST_PASSES_ATTR, RELEASED_ATTR
+from ..clipping import ClippingContract
+from .grad_sample_module import GradSampleModule
+from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
 from .registry import NORM_SAMPLERS
-from .unit_params import unit_parameters
+from .step_record import PassRecord
 from .utils import register_grad_sample_mode
 
 logger = logging.getLogger(__name__)
@@ -47,12 +47,11 @@ logger = logging.getLogger(__name__)
 
 def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     """``min(1, C / (norm + 1e-6))``, the flat-clipping factor of ``DPOptimizer``."""
-    from ..optimizers.optimizer import CLIP_EPS  # lazy: optimizers import grad_sample
-
-    return (max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+    return ClippingContract.factors(norms, max_grad_norm)
 
 
 def _pad_to(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` zero-padded along dim 0 to ``n`` rows (layers that declare ``max_batch_len``)."""
     if t.shape[0] >= n:
         return t
     return torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))])
@@ -65,10 +64,12 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     Args:
         m: the module to wrap.
         batch_first, loss_reduction, strict, force_functorch: as :class:`GradSampleModule`.
-        max_grad_norm: C, used by :meth:`get_clipping_coef` (keep equal to the optimizer's; the
-            loss wrapper synchronises it at every call).
+        max_grad_norm: C, when no ``clipping`` contract is given.
         use_ghost_clipping: ``False`` instantiates every layer's per-sample gradient (Opacus's
             "fast gradient clipping"); ``True`` uses the norm samplers where they apply.
+        clipping: the :class:`~dptorch.clipping.ClippingContract` shared with the optimizer
+            (``make_private`` and the loss wrapper pass the optimizer's; the module never keeps
+            a copy of C).
 
     After a backward pass: ``p._norm_sample`` ``(B,)`` per parameter and
     ``per_sample_gradient_norms`` ``(B,)`` over all parameters. ``p.grad_sample`` is never set.
@@ -84,7 +85,13 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         force_functorch: bool = False,
         max_grad_norm: float | Sequence[float] = 1,
         use_ghost_clipping: bool = True,
+        clipping: ClippingContract | None = None,
     ):
+        if clipping is None:
+            clipping = ClippingContract(
+                max_grad_norm, params=[p for p in m.parameters() if p.requires_grad]
+            )
+        self._check_contract(clipping)
         super().__init__(
             m,
             batch_first=batch_first,
@@ -92,13 +99,13 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             strict=strict,
             force_functorch=force_functorch,
         )
+        self.clipping = clipping
         self.use_ghost_clipping = use_ghost_clipping
         self._norm_sq: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self._call_counts: dict[int, int] = {}
         self._outputs: list[GradientEdge] = []
         self._per_sample_gradient_norms: torch.Tensor | None = None
         self._keep_output_edges = True
-        self.max_grad_norm = max_grad_norm
         # torch DDP must not all-reduce p.grad in backward: it holds the local clipped sum, which
         # the distributed optimizer all-reduces itself; with bk, where autograd computes no weight
         # gradient, DDP's reducer would even overwrite it (zero gradients, silently)
@@ -112,23 +119,31 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     # ------------------------------------------------------------------ public API
     @property
     def max_grad_norm(self) -> float | list[float]:
-        return self._max_grad_norm
+        """The clipping bound of the shared contract (per-layer: the list of bounds)."""
+        c = self.clipping
+        return c.max_grad_norms if c.per_layer else c.max_grad_norm
 
     @max_grad_norm.setter
     def max_grad_norm(self, value) -> None:
-        self._check_max_grad_norm(value)
-        self._max_grad_norm = value
-
-    def _check_max_grad_norm(self, value) -> None:
         if isinstance(value, (list, tuple)):
+            self._check_contract(ClippingContract(value, params=self.trainable_parameters()))
+            self.clipping.max_grad_norms = value
+        else:
+            self.clipping.max_grad_norm = value
+
+    def bind_clipping(self, clipping: ClippingContract) -> None:
+        """Adopts ``clipping`` (the optimizer's contract) as this module's, by reference."""
+        self._check_contract(clipping)
+        self.clipping = clipping
+
+    def _check_contract(self, clipping: ClippingContract) -> None:
+        if clipping.per_layer:
             raise ValueError(
                 "Per-layer clipping (a list of max_grad_norm) is impossible with "
                 "grad_sample_mode='ghost': its second backward pass weights each sample's loss by "
                 "one factor shared by all layers. Use grad_sample_mode='bk' (per-layer clip "
                 "factors are applied layer by layer) or 'hooks'."
             )
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {value!r}")
 
     @property
     def per_sample_gradient_norms(self) -> torch.Tensor:
@@ -150,7 +165,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     def get_clipping_coef(self) -> torch.Tensor:
         """Flat clip factors ``min(1, C / (‖g_b‖ + 1e-6))`` of the last backward pass, ``(B,)``."""
-        return clip_factors(self.per_sample_gradient_norms, self.max_grad_norm)
+        return self.clipping.flat_factors(self.per_sample_gradient_norms)
 
     def del_grad_sample(self) -> None:
         """Removes per-sample norms, pass counters and kept outputs (see ``gsm_base``)."""
@@ -166,42 +181,30 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     def capture_activations_hook(
         self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None
     ) -> None:
-        """As :class:`GradSampleModule`, and counts the calls touching each parameter and keeps the
-        output's gradient edge (a target of the norm pass, :meth:`norm_backward`; released at the
-        end of the next backward pass or by ``zero_grad``)."""
-        super().capture_activations_hook(module, forward_input, _forward_output, forward_kwargs)
-        out = _first_tensor(_forward_output)
-        if (
-            out is None
-            or not out.requires_grad
-            or not self.hooks_enabled
-            or not self.forward_hooks_enabled
-            or self._in_functorch
-            or not module.training
-            or not torch.is_grad_enabled()
-        ):
-            return
-        for _, p in unit_parameters(module):
-            if p.requires_grad:
-                self._call_counts[id(p)] = self._call_counts.get(id(p), 0) + 1
+        """Counts the calls touching each parameter and keeps the output's gradient edge (a
+        target of the norm pass, :meth:`norm_backward`; released at the end of the next
+        backward pass or by ``zero_grad``)."""
+        for p in self.sampled_params(module):
+            self._call_counts[id(p)] = self._call_counts.get(id(p), 0) + 1
         if self._keep_output_edges:
-            self._outputs.append(get_gradient_edge(out))
+            self._outputs.append(get_gradient_edge(_forward_output))
 
     def _process_call(self, module, activations, backprops, kwargs, max_batch_len: int) -> None:
         """Adds this call's squared per-sample norms (norm sampler) or per-sample gradients
         (instantiation, summed over calls) to the pass's state."""
         if self._use_norm_sampler(module, activations, backprops):
+            ids = {id(p) for p in self.sampled_params(module)}
             for p, sq in NORM_SAMPLERS[type(module)](module, activations, backprops).items():
-                self._add_norm_sq(p, _pad_to(sq, max_batch_len))
+                if id(p) in ids:
+                    self._add_norm_sq(p, _pad_to(sq, max_batch_len))
+                    self._pass.covered.add(id(p))
             self._record_call(module, activations, backprops, kwargs)
         else:
             super()._process_call(module, activations, backprops, kwargs, max_batch_len)
 
     def _single_call(self, module: nn.Module) -> bool:
-        """Whether every trainable parameter of ``module`` was used by exactly one call."""
-        return all(
-            self._call_counts.get(id(p), 0) <= 1 for _, p in unit_parameters(module) if p.requires_grad
-        )
+        """Whether every sampled parameter of ``module`` was used by exactly one call."""
+        return all(self._call_counts.get(id(p), 0) <= 1 for p in self.sampled_params(module))
 
     def _use_norm_sampler(self, module: nn.Module, activations, backprops) -> bool:
         return (
@@ -217,14 +220,13 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     def _add_norm_sq(self, p: nn.Parameter, sq: torch.Tensor) -> None:
         prev = self._norm_sq.get(id(p))
         if prev is not None:
-            m = max(prev[1].shape[0], sq.shape[0])
-            sq = _pad_to(prev[1], m) + _pad_to(sq, m)
+            sq = prev[1] + sq
         self._norm_sq[id(p)] = (p, sq)
 
     # ------------------------------------------------------------------ end of the pass
     def _end_of_backward(self) -> None:
         """Reduces instantiated per-sample gradients to norms and publishes the norms."""
-        self._callback_queued = False
+        rec = self._take_pass()
         pending, self._pending = list(self._pending.values()), {}
         for p in pending:
             gs = p._current_grad_sample
@@ -234,25 +236,24 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         norm_sq, self._norm_sq = list(self._norm_sq.values()), {}
         self._call_counts.clear()
         self._outputs.clear()
-        self._publish_norms(norm_sq)
-        self._after_norms(norm_sq)
+        self._publish_norms(norm_sq, rec.batch_size)
+        self._after_norms(norm_sq, rec)
 
     def _keep_instantiated(self) -> bool:
         return False
 
-    def _after_norms(self, norm_sq: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    def _after_norms(self, norm_sq: list[tuple[nn.Parameter, torch.Tensor]], rec: PassRecord) -> None:
         """Hook for subclasses: runs at the end of every backward pass, after the norms."""
 
-    def _publish_norms(self, norm_sq: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        b = max((sq.shape[0] for _, sq in norm_sq), default=0)
+    def _publish_norms(self, norm_sq: list[tuple[nn.Parameter, torch.Tensor]], b: int | None) -> None:
         total = None
         for p, sq in norm_sq:
-            sq = _pad_to(sq, b)
             p._norm_sample = sq.sqrt()
             total = sq if total is None else total + sq
         if total is None:
             ref = next(iter(self.trainable_parameters()), None)
-            total = torch.zeros(0) if ref is None else ref.new_zeros(0)
+            n = b or 0
+            total = torch.zeros(n) if ref is None else ref.new_zeros(n)
         self.per_sample_gradient_norms = total.sqrt()
 
     # ------------------------------------------------------------------ the norm pass
@@ -265,40 +266,29 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             return
         torch.autograd.grad(loss, targets, retain_graph=True, allow_unused=True)
 
-    def mark_clipped_pass(self) -> None:
-        """Records on every trainable parameter that ``p.grad`` now holds one more clipped sum
-        (read by ``DPOptimizerFastGradientClipping``: accumulated iterations, step guard)."""
-        params = self.trainable_parameters()
-        if any(hasattr(p, RELEASED_ATTR) for p in params):
+    def check_can_clip(self) -> None:
+        """Raises ``ValueError`` when a new clipped sum may not be added to ``p.grad``: the
+        optimizer released it since the last ``zero_grad``, or accumulation is forbidden and a
+        clipped pass is already there."""
+        if self.record.released:
             raise ValueError(
                 "optimizer.step() ran since the last optimizer.zero_grad(): p.grad still holds the "
                 "released (noisy) gradient, and this backward pass added the new clipped sum to "
                 "it. Call optimizer.zero_grad() before every backward pass (zero_grad, backward, "
                 "step)."
             )
-        if not self.grad_accumulation_allowed and any(hasattr(p, FAST_PASSES_ATTR) for p in params):
+        if not self.grad_accumulation_allowed and sum(r.clipped for r in self.record.passes) > 1:
             raise ValueError(ACCUMULATION_FORBIDDEN_MESSAGE)
-        for p in params:
-            setattr(p, FAST_PASSES_ATTR, getattr(p, FAST_PASSES_ATTR, 0) + 1)
 
-
-def clip_norm_list(max_grad_norm, n: int) -> list[float]:
-    """``max_grad_norm`` as one float per trainable parameter (a float is repeated)."""
-    if isinstance(max_grad_norm, (list, tuple)):
-        if len(max_grad_norm) != n:
-            raise ValueError(
-                f"max_grad_norm has {len(max_grad_norm)} entries but the module has {n} trainable "
-                "parameters; give one clipping norm per parameter."
-            )
-        return [float(c) for c in max_grad_norm]
-    return [float(max_grad_norm)] * n
-
-
-def total_clip_norm(max_grad_norm) -> float:
-    """The sensitivity of per-layer clipping: ``sqrt(Σ C_i²)`` (``C`` for a float)."""
-    if isinstance(max_grad_norm, (list, tuple)):
-        return math.sqrt(sum(float(c) ** 2 for c in max_grad_norm))
-    return float(max_grad_norm)
+    def mark_clipped_pass(self, bound=None) -> None:
+        """Records that ``p.grad`` now holds the clipped sum of the last pass, clipped with
+        ``bound`` (default: the contract's current bound)."""
+        if not self.record.passes:
+            self.record.add_pass(PassRecord(batch_size=0))
+        rec = self.record.passes[-1]
+        rec.clipped = True
+        rec.clip_bound = self.clipping.snapshot() if bound is None else bound
+        self.check_can_clip()
 
 
 register_grad_sample_mode("ghost", GradSampleModuleFastGradientClipping)

@@ -10,25 +10,17 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-#: attribute counting the clipped backward passes accumulated in ``p.grad`` since the last step
-#: (fast-clipping modes; read by ``DPOptimizerFastGradientClipping``).
-FAST_PASSES_ATTR = "_dp_fast_passes"
-
 #: Every attribute the grad-sample modules set on parameters: the published per-sample gradients
 #: (``grad_sample``), the sum over the calls of the current backward pass
-#: (``_current_grad_sample``), the slices of multi-pass mode (``_grad_sample_passes``), and the
-#: per-sample norms and pass counter of the fast-clipping modes. :func:`clear_grad_sample` and
-#: :meth:`AbstractGradSampleModule.cleanup` remove them.
-#: set on every parameter by a real (noised) optimizer step, cleared by ``zero_grad``
-RELEASED_ATTR = "_dp_released"
-
+#: (``_current_grad_sample``), the slices of multi-pass mode (``_grad_sample_passes``) and the
+#: per-sample norms of the fast-clipping modes. All are written by the module only; what the
+#: optimizer and the module tell each other is in the module's ``StepRecord``.
+#: :func:`clear_grad_sample` and :meth:`AbstractGradSampleModule.cleanup` remove them.
 OPACUS_PARAM_MONKEYPATCH_ATTRS = [
     "grad_sample",
     "_current_grad_sample",
     "_grad_sample_passes",
     "_norm_sample",
-    FAST_PASSES_ATTR,
-    RELEASED_ATTR,
 ]
 
 

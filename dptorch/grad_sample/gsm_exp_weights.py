@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from .gsm_base import AbstractGradSampleModule
-from .unit_params import trainable_units
+from .unit_params import trainable_units, unit_parameters
+from .use_trace import check_structure
 
 # Trainable layers whose functional form ExpandedWeights cannot differentiate per sample.
 _EW_UNSUPPORTED = (
@@ -35,9 +36,14 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
     A second backward pass without ``zero_grad()`` turns ``p.grad_sample`` into a list (one entry
     per pass), or raises ``ValueError`` after :meth:`forbid_grad_accumulation`.
 
+    An empty batch (Poisson sampling can draw one), which ExpandedWeights refuses, runs as a
+    plain forward; its backward gives every trainable parameter of the layers that ran a
+    zero-size ``p.grad_sample`` of shape ``(0, *p.shape)`` (and autograd's ``p.grad``), as in
+    hooks mode, so that the optimizer's step adds the noise and is accounted for.
+
     Limits (each raises rather than returning wrong numbers): ``batch_first=False``, recurrent
-    layers, attention, EmbeddingBag, RMSNorm, BatchNorm, empty batches, and any function
-    ExpandedWeights has no rule for.
+    layers, attention, EmbeddingBag, RMSNorm, BatchNorm, and any function ExpandedWeights has no
+    rule for.
     """
 
     def __init__(
@@ -70,7 +76,10 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
         self._callback_queued = False
         self._previous: dict[int, tuple[nn.Parameter, list]] = {}
         self._padding_corrections: list[tuple[nn.Parameter, int, torch.Tensor]] = []
+        self._empty_forward = False  # inside the plain forward of an empty batch
+        self._empty_units: list[nn.Module] = []  # layers that ran on an empty batch (this pass)
         self._hooks = []
+        self._checked: tuple = ()
         for _, unit in trainable_units(m):
             self._hooks.append(unit.register_forward_hook(self._on_unit_forward))
 
@@ -80,12 +89,22 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
         if not self.training or not torch.is_grad_enabled():
             return self._module(x, *args, **kwargs)
         batch_size = x.shape[0]
-        if batch_size == 0:
-            raise ValueError(
-                "ExpandedWeights cannot process an empty batch (Poisson sampling can produce one). "
-                "Use grad_sample_mode='hooks', which handles empty batches."
-            )
         self._stash_previous_grad_samples()
+        if batch_size == 0:
+            # ExpandedWeights refuses batch_size=0: a plain forward, whose backward hooks give
+            # zero-size per-sample gradients (see _end_of_backward)
+            self._empty_forward = True
+            try:
+                return self._module(x, *args, **kwargs)
+            finally:
+                self._empty_forward = False
+        signature = tuple(id(p) for p in self.trainable_parameters())
+        if signature != self._checked:
+            # once, and again when the trainable parameters change: a layer called on inputs
+            # that do not come from the batch (an index of shape [T, T], even with T == B)
+            # would get per-sample gradients whose rows are not the samples
+            check_structure(self._module, (x, *args), kwargs, batch_size, check_uses=False)
+            self._checked = signature
         try:
             return call_for_per_sample_grads(
                 self._module, batch_size=batch_size, loss_reduction=self.loss_reduction
@@ -121,13 +140,18 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
         out = output if isinstance(output, torch.Tensor) else None
         if out is None or not out.requires_grad:
             return
+        if self._empty_forward:
+            out.register_hook(partial(self._on_unit_backprops, None, module))
+            return
         padding = None
         if type(module) is nn.Embedding and module.padding_idx is not None:
             padding = (module, args[0].detach())
-        out.register_hook(partial(self._on_unit_backprops, padding))
+        out.register_hook(partial(self._on_unit_backprops, padding, None))
 
-    def _on_unit_backprops(self, padding, grad: torch.Tensor) -> None:
-        if padding is not None:
+    def _on_unit_backprops(self, padding, empty_unit: nn.Module | None, grad: torch.Tensor) -> None:
+        if empty_unit is not None:
+            self._empty_units.append(empty_unit)
+        elif padding is not None:
             # ExpandedWeights adds the output gradient at padding positions to the padding row;
             # remember that contribution to subtract it at the end of the pass.
             module, ids = padding
@@ -141,6 +165,14 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        # an empty batch: autograd has set p.grad (zeros); the per-sample gradients are (0, ...)
+        empty = {}
+        for unit in self._empty_units:
+            for _, p in unit_parameters(unit):
+                if p.requires_grad and getattr(p, "grad_sample", None) is None:
+                    p.grad_sample = p.new_zeros((0, *p.shape))
+                    empty[id(p)] = p
+        self._empty_units = []
         for p, idx, corr in self._padding_corrections:
             gs = getattr(p, "grad_sample", None)
             if isinstance(gs, torch.Tensor):
@@ -150,8 +182,9 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
             gs = getattr(p, "grad_sample", None)
             if not isinstance(gs, torch.Tensor):
                 continue
-            g = gs.mean(0) if self.loss_reduction == "mean" else gs.sum(0)
-            p.grad = g if p.grad is None else p.grad + g
+            if id(p) not in empty:
+                g = gs.mean(0) if self.loss_reduction == "mean" else gs.sum(0)
+                p.grad = g if p.grad is None else p.grad + g
             prev = self._previous.pop(id(p), None)
             if prev is not None:
                 p.grad_sample = prev[1] + [gs]

@@ -376,13 +376,17 @@ def _register_dp_layers() -> None:
 def generic_clipped_sum(
     layer: nn.Module, activations: Sequence, backprops: torch.Tensor, kwargs: dict | None = None,
     batch_first: bool = True,
+    params: Sequence[tuple[str, nn.Parameter]] | None = None,
 ) -> ParamDict:
     """``Σ_b grad_b`` of any layer: recomputes its forward on the captured inputs and takes one
-    vector-Jacobian product with ``backprops`` (batch-first; moved back for ``batch_first=False``).
+    vector-Jacobian product with ``backprops`` (batch-first; moved back for ``batch_first=False``),
+    w.r.t. the layer's own trainable parameters (or the named ``params`` it samples).
     """
     from .unit_params import unit_parameters
 
-    params = [p for _, p in unit_parameters(layer) if p.requires_grad]
+    if params is None:
+        params = unit_parameters(layer)
+    params = [p for _, p in params if p.requires_grad]
     if not params:
         return {}
     args = list(activations)

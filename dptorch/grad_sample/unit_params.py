@@ -29,3 +29,43 @@ def trainable_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             continue
         if any(p.requires_grad for _, p in unit_parameters(m)):
             yield name, m
+
+
+def sampled_parameters(model: nn.Module) -> dict[int, list[tuple[str, nn.Parameter]]]:
+    """``{id(module): [(name, p), ...]}``: the trainable parameters whose per-sample gradients
+    each module's hook computes, for every module of ``model`` that has some.
+
+    A module samples the parameters it owns (:func:`unit_parameters`), except those that one of
+    its descendants also owns: a Parameter registered in a parent and in its child (BERT's MLM
+    head ``bias`` is ``decoder.bias``) is sampled once, where the child uses it. A Parameter
+    owned by two unrelated modules (tied weights) is sampled by each, for its own calls, and the
+    results add up. Duplicate registrations within one module count once.
+    """
+    below: dict[int, set[int]] = {}
+
+    def subtree(m: nn.Module) -> set[int]:
+        ids: set[int] = set()
+        for cname, child in m.named_children():
+            if cname == "parametrizations" and parametrize.is_parametrized(m):
+                continue  # folded into ``m``: its originals are ``m``'s own
+            if id(child) not in below:
+                subtree(child)
+            ids |= below[id(child)]
+            ids |= {id(p) for _, p in unit_parameters(child)}
+        below[id(m)] = ids
+        return ids
+
+    subtree(model)
+    out: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for name, m in model.named_modules():
+        if "parametrizations" in name.split("."):
+            continue
+        seen: set[int] = set()
+        own = []
+        for n, p in unit_parameters(m):
+            if p.requires_grad and id(p) not in below.get(id(m), ()) and id(p) not in seen:
+                seen.add(id(p))
+                own.append((n, p))
+        if own:
+            out[id(m)] = own
+    return out

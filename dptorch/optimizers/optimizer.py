@@ -18,13 +18,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..grad_sample.gsm_base import RELEASED_ATTR, _check_loss_reduction, clear_grad_sample
+from ..clipping import CLIP_EPS, ClippingContract, check_bound
+from ..grad_sample.gsm_base import _check_loss_reduction, clear_grad_sample
+from ..grad_sample.step_record import StepRecord, records_for
 from ..utils.randomness import generate_noise
 from .utils import params as optimizer_params
 
 logger = logging.getLogger(__name__)
 
-CLIP_EPS = 1e-6
+__all__ = ["CLIP_EPS", "DPOptimizer"]
 
 
 def _mark_as_processed(obj: torch.Tensor | list[torch.Tensor]) -> None:
@@ -131,7 +133,7 @@ class DPOptimizer(Optimizer):
                 f"noise_multiplier must be >= 0, got {noise_multiplier}. It is the noise std "
                 "relative to max_grad_norm (typical values 0.5-2)."
             )
-        self._validate_max_grad_norm(max_grad_norm)
+        self.clipping = self._make_contract(optimizer, max_grad_norm)
         if loss_reduction == "mean" and (expected_batch_size is None or expected_batch_size <= 0):
             raise ValueError(
                 "expected_batch_size must be a positive integer with loss_reduction='mean' "
@@ -145,7 +147,6 @@ class DPOptimizer(Optimizer):
         _validate_multi_pass(accum_passes, num_private_passes)
         self.original_optimizer = optimizer
         self.noise_multiplier = noise_multiplier
-        self.max_grad_norm = max_grad_norm
         self.loss_reduction = loss_reduction
         self.expected_batch_size = expected_batch_size
         self.generator = generator
@@ -163,17 +164,36 @@ class DPOptimizer(Optimizer):
         for p in self.params:
             p.summed_grad = None
 
-    # ------------------------------------------------------------------ torch.optim plumbing
+    # ------------------------------------------------------------------ the clipping contract
     @staticmethod
     def _validate_max_grad_norm(max_grad_norm) -> None:
         """C must be a positive number (``inf`` disables clipping)."""
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not (
-            max_grad_norm > 0
-        ):
+        check_bound(max_grad_norm)
+
+    def _make_contract(self, optimizer: Optimizer, max_grad_norm) -> ClippingContract:
+        """The :class:`ClippingContract` this optimizer owns (flat here)."""
+        if isinstance(max_grad_norm, (list, tuple)):
             raise ValueError(
-                f"max_grad_norm must be > 0, got {max_grad_norm}. It is the L2 norm each "
-                "sample's gradient is clipped to (typical values 0.1-10)."
+                "A list of max_grad_norm is per-layer clipping: use clipping='per_layer' "
+                "(DPPerLayerOptimizer)."
             )
+        return ClippingContract(max_grad_norm)
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C, the sensitivity of one sample's clipped gradient (the shared contract's)."""
+        return self.clipping.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        self.clipping.max_grad_norm = value
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """The step records of the modules that wrap this optimizer's parameters."""
+        return records_for(self.params)
+
+    # ------------------------------------------------------------------ torch.optim plumbing
 
     def __getattr__(self, item):
         # torch.optim internals (hooks dicts, _opt_called, ...) live on the wrapped optimizer
@@ -228,6 +248,9 @@ class DPOptimizer(Optimizer):
 
         Multi-pass slices are passes over the same batch, not accumulated iterations: they count 1.
         """
+        recs = self.records
+        if len(recs) == 1 and len(recs[0].passes) > 1 and self.accum_passes is None:
+            return len(recs[0].passes)
         vals = set()
         for p in self._params_with_grad_sample():
             gs = p.grad_sample
@@ -258,7 +281,7 @@ class DPOptimizer(Optimizer):
         params = self._params_with_grad_sample()
         self._check_grad_sample_layout(params)
         out = []
-        for p, gs in _unit_views(params):
+        for p, gs, _ in self._unit_views(params):
             if self.accum_passes:
                 gs = gs.sum(0, keepdim=True)
             out.append((p, gs))
@@ -274,8 +297,9 @@ class DPOptimizer(Optimizer):
         * split clipping: the passes not declared public (``GradSampleModule.public_pass()``)
           must not outnumber ``num_private_passes``, which the noise is calibrated to.
         """
-        sizes: set[int] = set()
-        n_private = 0
+        passes = [r for rec in self.records for r in rec.passes]
+        sizes = {r.batch_size for r in passes if r.batch_size is not None}
+        n_private = len(passes) - sum(r.public for r in passes)
         for p in params:
             gs = p.grad_sample
             multi = isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2
@@ -292,10 +316,6 @@ class DPOptimizer(Optimizer):
                     "single-pass (B, ...): wrap the model with GradSampleModule(..., "
                     "multi_pass=True) or call make_private(..., multi_pass=True)."
                 )
-            if multi:
-                public = getattr(gs, "_pass_public", ())
-                n_private = max(n_private, gs.shape[0] - sum(public))
-                sizes.update(b for b in getattr(gs, "_pass_batch_sizes", ()) if b is not None)
         if self.accum_passes and len(sizes) > 1:
             raise ValueError(
                 f"accum_passes=True sums per-sample gradients across passes by batch index, but "
@@ -328,11 +348,12 @@ class DPOptimizer(Optimizer):
         """Per-parameter clip factors ``(P, B)``: ``min(1, C / (norm + 1e-6))``."""
         unit_grads = self._unit_grad_samples() if unit_grads is None else unit_grads
         norms = self.per_sample_norms(unit_grads)
-        factor = (self.max_grad_norm / (norms + CLIP_EPS)).clamp(max=1.0)
+        factor = self.clipping.flat_factors(norms)
         return [factor] * len(unit_grads)
 
     def clip_and_accumulate(self) -> None:
         """Clips each unit's gradient and adds the sum over units to ``p.summed_grad``."""
+        self._check_not_consumed()
         unit_grads = self._unit_grad_samples()
         for p, _ in unit_grads:
             _check_processed_flag(p.grad_sample)
@@ -340,6 +361,18 @@ class DPOptimizer(Optimizer):
         for (p, gs), f in zip(unit_grads, factors):
             self._add_to_summed_grad(p, torch.einsum("pb,pb...->...", f.to(gs.dtype), gs))
             _mark_as_processed(p.grad_sample)
+        for rec in self.records:
+            rec.mark_consumed()
+
+    def _check_not_consumed(self) -> None:
+        """Raises when the module's per-sample results were already spent by a step (no
+        ``zero_grad`` since)."""
+        if any(rec.consumed for rec in self.records):
+            raise ValueError(
+                "Gradients haven't been cleared since the last optimizer step. Call "
+                "optimizer.zero_grad() after every optimizer.step(), or the same per-sample "
+                "gradients would be used (and their privacy spent) twice."
+            )
 
     def _add_to_summed_grad(self, p: nn.Parameter, g: torch.Tensor) -> None:
         if p.summed_grad is None:
@@ -366,17 +399,21 @@ class DPOptimizer(Optimizer):
             raise RuntimeError(
                 "clip() was already called for this step: call accumulate_batch(), then step()."
             )
+        self._check_not_consumed()
         params = self._params_with_grad_sample()
         self._check_grad_sample_layout(params)
         for p in params:
             _check_processed_flag(p.grad_sample)
-        unit_grads = _unit_views(params)
+        views = self._unit_views(params)
+        unit_grads = [(p, v) for p, v, _ in views]
         if self.accum_passes:
             unit_grads = [(p, gs.sum(0, keepdim=True)) for p, gs in unit_grads]
         factors = self.compute_clip_factors(unit_grads)
-        for (p, gs), f in zip(unit_grads, factors):
+        for (p, gs), f, (_, _, old) in zip(unit_grads, factors, views):
             scaled = gs * f.to(gs.dtype).view(*f.shape, *([1] * (gs.dim() - 2)))
-            p.grad_sample = _restore_layout(scaled, p)
+            p.grad_sample = _restore_layout(scaled, p, old)
+        for rec in self.records:
+            rec.mark_clipped_in_place()
         self._manual_stage = 1
 
     def accum_grads_across_passes(self) -> None:
@@ -395,7 +432,6 @@ class DPOptimizer(Optimizer):
             if isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2:
                 self._folded_passes = max(self._folded_passes, gs.shape[0])
                 p.grad_sample = gs.sum(0, keepdim=True)
-                p.grad_sample._dp_stage_applied = True
         self._manual_stage = 2
 
     def accumulate_batch(self) -> None:
@@ -414,16 +450,18 @@ class DPOptimizer(Optimizer):
             )
         params = self._params_with_grad_sample()
         self._check_clipped(params)
-        for p, gs in _unit_views(params):
+        for p, gs, _ in self._unit_views(params):
             _check_processed_flag(p.grad_sample)
             self._add_to_summed_grad(p, gs.sum(dim=(0, 1)))
             _mark_as_processed(p.grad_sample)
+        for rec in self.records:
+            rec.mark_consumed()
         self._manual_stage = 3
 
     def _check_clipped(self, params: list[nn.Parameter]) -> None:
         """Raises ``ValueError`` if a unit of the (clipped) ``p.grad_sample`` exceeds the bound
         its noise is calibrated to: C, or C times the number of folded passes."""
-        unit_grads = _unit_views(params)
+        unit_grads = [(p, v) for p, v, _ in self._unit_views(params)]
         if not unit_grads:
             return
         folds = self._folded_passes if self._manual_stage == 2 else 1
@@ -485,8 +523,8 @@ class DPOptimizer(Optimizer):
         self._ensure_summed_grads()
         self.add_noise()
         self.scale_grad()
-        for p in self.params:
-            setattr(p, RELEASED_ATTR, True)
+        for rec in self.records:
+            rec.mark_released()
         if self.step_hook is not None:
             self.step_hook(self)
         self._is_last_step_skipped = False
@@ -509,10 +547,18 @@ class DPOptimizer(Optimizer):
             return self.original_optimizer.step()
         return None
 
+    def _unit_views(self, params: list[nn.Parameter]):
+        """:func:`_unit_views` aligned by the step record's passes."""
+        recs = self.records
+        passes = recs[0].passes if len(recs) == 1 else None
+        return _unit_views(params, passes)
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Clears gradients (``p.grad`` zeroed, or ``None`` with ``set_to_none=True``) and removes
         per-sample gradients whatever ``set_to_none``; keeps ``summed_grad`` after a skipped step
-        so that physical batches accumulate into one logical batch."""
+        so that physical batches accumulate into one logical batch. Starts a new step record."""
+        for rec in self.records:
+            rec.reset()
         for p in self.params:
             clear_grad_sample(p)
             if not self._is_last_step_skipped:
@@ -522,35 +568,56 @@ class DPOptimizer(Optimizer):
         self.original_optimizer.zero_grad(set_to_none)
 
 
-def _unit_views(params: list[nn.Parameter]) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """``(p, p.grad_sample as (P, B, *p.shape))``, lists concatenated, all padded to the same
-    ``B`` (a pass may reach some parameters with a smaller batch than others)."""
-    views = [(p, _as_passes(_get_flat_grad_sample(p), p)) for p in params]
-    b = max((gs.shape[1] for _, gs in views), default=0)
+def _aligned(p: nn.Parameter, passes: list) -> torch.Tensor | list[torch.Tensor]:
+    """``p.grad_sample`` of accumulated single-pass backward passes as one entry per recorded
+    pass, zeros ``(B_pass, *p.shape)`` where a pass did not reach ``p``: sample ``i`` of a pass
+    must line up with sample ``i`` of the same pass in every parameter."""
+    gs = p.grad_sample
+    if len(passes) < 2 or (isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2):
+        return gs
+    entries = gs if isinstance(gs, list) else [gs]
+    if len(entries) == len(passes):
+        return gs
+    it = iter(entries)
     out = []
-    for p, gs in views:
-        if gs.shape[1] < b:
-            pad = gs.new_zeros((gs.shape[0], b - gs.shape[1], *gs.shape[2:]))
-            gs = torch.cat([gs, pad], dim=1)
-        out.append((p, gs))
+    for r in passes:
+        if id(p) in r.covered:
+            out.append(next(it))
+        else:
+            out.append(entries[0].new_zeros((r.batch_size or 0, *p.shape)))
     return out
 
 
-def _restore_layout(units: torch.Tensor, p: nn.Parameter) -> torch.Tensor | list[torch.Tensor]:
-    """Gives clipped ``units`` ``(P, B', ...)`` the layout of ``p.grad_sample`` (a list, a
-    single-pass ``(B, ...)`` or a multi-pass tensor) and marks them as clipped, so that a later
-    multi-pass backward refuses to restack them with unclipped passes."""
-    old = p.grad_sample
+def _unit_views(
+    params: list[nn.Parameter], passes: list | None = None
+) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | list[torch.Tensor]]]:
+    """``(p, per-unit view (P, B, *p.shape), aligned grad_sample)``: accumulated lists aligned
+    by the step record's passes (:func:`_aligned`) and concatenated. Without a record (per-sample
+    gradients set by hand) shorter batches are zero-padded at the end."""
+    views = []
+    for p in params:
+        gs = _aligned(p, passes or [])
+        flat = torch.cat(gs, dim=0) if isinstance(gs, list) else gs
+        views.append((p, _as_passes(flat, p), gs))
+    b = max((v.shape[1] for _, v, _ in views), default=0)
+    out = []
+    for p, v, gs in views:
+        if v.shape[1] < b:
+            pad = v.new_zeros((v.shape[0], b - v.shape[1], *v.shape[2:]))
+            v = torch.cat([v, pad], dim=1)
+        out.append((p, v, gs))
+    return out
+
+
+def _restore_layout(units: torch.Tensor, p: nn.Parameter, old) -> torch.Tensor | list[torch.Tensor]:
+    """Gives clipped ``units`` ``(P, B', ...)`` the layout of ``old`` (the aligned
+    ``p.grad_sample``: a list, a single-pass ``(B, ...)`` or a multi-pass tensor)."""
     if isinstance(old, list):
         sizes = [g.shape[0] for g in old]
-        new = list(units[0, : sum(sizes)].split(sizes))
-    elif old.dim() == p.dim() + 1:
-        new = [units[0, : old.shape[0]]]
-    else:
-        new = [units[:, : old.shape[1]]]
-    for t in new:
-        t._dp_stage_applied = True
-    return new if isinstance(old, list) else new[0]
+        return list(units[0, : sum(sizes)].split(sizes))
+    if old.dim() == p.dim() + 1:
+        return units[0, : old.shape[0]]
+    return units[:, : old.shape[1]]
 
 
 def validate_multi_pass_args(

@@ -18,7 +18,6 @@ import logging
 
 import torch
 
-from ..grad_sample.gsm_base import FAST_PASSES_ATTR
 from .ddpoptimizer import DistributedDPOptimizerMixin
 from .optimizer import DPOptimizer, _has_nonzero_grad
 from .perlayeroptimizer import DPPerLayerOptimizer
@@ -78,32 +77,52 @@ class DPOptimizerFastGradientClipping(DPOptimizer):
 
     def clip_and_accumulate(self) -> None:
         """``p.summed_grad += p.grad`` (the clipped sum left by the backward pass(es)), then
-        ``p.grad = None``: the sum is moved, so the next pass starts from no gradient."""
-        counts = set()
+        ``p.grad = None``: the sum is moved, so the next pass starts from no gradient.
+
+        Before anything is moved, the step record must show that every pass was clipped, with
+        the contract's current bound, and that every parameter with a gradient was covered by a
+        hook; otherwise ``ValueError``."""
+        self._check_not_consumed()
+        recs = self.records
+        passes = [r for rec in recs for r in rec.passes]
+        unclipped = [r for r in passes if not r.clipped]
+        if unclipped:
+            raise ValueError(
+                "A backward pass ran without fast gradient clipping: p.grad holds unclipped "
+                "gradients. With grad_sample_mode='ghost' call backward() on the loss returned by "
+                "the DPLossFastGradientClipping criterion (make_private returns it), not on a "
+                "plain loss."
+            )
+        current = self.clipping.snapshot()
+        for r in passes:
+            if r.clip_bound != current:
+                raise ValueError(
+                    f"max_grad_norm changed from {_fmt(r.clip_bound)} to {_fmt(current)} between "
+                    "the backward pass and optimizer.step(): the backward pass clipped with the "
+                    "old bound and the noise would be calibrated to the new one. Change "
+                    "max_grad_norm (or step a grad-clip scheduler) after optimizer.step() and "
+                    "before the next backward pass."
+                )
+        covered = set().union(*(rec.covered for rec in recs)) if recs else set()
         for p in self.params:
-            passes = getattr(p, FAST_PASSES_ATTR, None)
-            if passes is None:
+            if id(p) not in covered:
                 if _has_nonzero_grad(p):
                     raise ValueError(
-                        "A parameter has a gradient that no fast-clipping backward pass produced: "
-                        "with grad_sample_mode='ghost' call backward() on the loss returned by "
-                        "DPLossFastGradientClipping (a plain loss.backward() gives unclipped "
-                        "gradients); in any mode call optimizer.zero_grad() after every step."
+                        f"A parameter of shape {tuple(p.shape)} has a gradient that no "
+                        "fast-clipping hook covered (it is used outside the forward of the "
+                        "module that owns it, unfrozen without a forward pass since, or the "
+                        "model is not wrapped): it would be released unclipped. Call the module "
+                        "that owns it, and call optimizer.zero_grad() after every step."
                     )
                 continue
-            counts.add(passes)
             g = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
             self._add_to_summed_grad(p, g)
             # moved, not copied: ``summed_grad`` may share ``g``'s storage, which a later
             # ``zero_grad(set_to_none=False)`` would otherwise zero in place
             p.grad = None
-            delattr(p, FAST_PASSES_ATTR)
-        if len(counts) > 1:
-            raise ValueError(
-                "Parameters accumulated different numbers of backward passes; call "
-                "optimizer.zero_grad() before each logical batch."
-            )
-        self._fast_iterations = counts.pop() if counts else 1
+        self._fast_iterations = max(len(passes), 1)
+        for rec in recs:
+            rec.mark_consumed()
 
     def _manual_unsupported(self, *_, **__):
         raise NotImplementedError(
@@ -134,3 +153,9 @@ class DistributedDPPerLayerOptimizerFastGradientClipping(
     DistributedDPOptimizerMixin, DPPerLayerOptimizerFastGradientClipping
 ):
     """Distributed per-layer clipping for ``grad_sample_mode="bk"``."""
+
+
+def _fmt(bound) -> str:
+    if isinstance(bound, tuple):
+        return "(" + ", ".join(f"{c:g}" for c in bound) + ")"
+    return f"{bound:g}"

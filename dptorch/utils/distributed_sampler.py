@@ -5,7 +5,7 @@ Re-exported by :mod:`dptorch.utils.uniform_sampler`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -29,15 +29,16 @@ def _rank_generator(generator: torch.Generator | None, rank: int) -> torch.Gener
 
 
 class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
-    """Batch sampler for distributed DP training: Poisson sampling of the whole data set, each
-    rank sampling its own shard.
+    """Batch sampler for distributed DP training: Poisson sampling of the whole data set (or of
+    the subset ``indices``), each rank sampling its own shard.
 
-    The ``total_size`` indices are split into ``num_replicas`` disjoint shards (rank ``r`` gets
-    positions ``r, r + W, r + 2W, ...`` of a permutation shared by all ranks, reshuffled every
-    epoch with seed ``shuffle_seed + epoch`` when ``shuffle``). At every step each rank keeps each
-    index of its shard independently with probability ``sample_rate``, so every record of the data
-    set is in the global batch with probability ``q`` (exactly once, on the rank owning it), as the
-    privacy accounting assumes. A local batch may be empty; it is still yielded (as ``[]``) so that
+    The ``total_size`` indices (``range(total_size)``, or the entries of ``indices`` when only a
+    subset of the data set is trained on) are split into ``num_replicas`` disjoint shards (rank
+    ``r`` gets positions ``r, r + W, r + 2W, ...`` of a permutation shared by all ranks,
+    reshuffled every epoch with seed ``shuffle_seed + epoch`` when ``shuffle``). At every step
+    each rank keeps each index of its shard independently with probability ``sample_rate``, so
+    every record sampled from is in the global batch with probability ``q`` (exactly once, on the
+    rank owning it) and no other record ever is, as the privacy accounting assumes. A local batch may be empty; it is still yielded (as ``[]``) so that
     all ranks run the same number of steps.
 
     Each rank's draws come from its own generator, seeded from one draw of ``generator`` (or of
@@ -45,7 +46,8 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
     identical (correlated) masks. With ``secure_mode`` they come from the OS CSPRNG.
 
     Args:
-        total_size: size of the whole data set.
+        total_size: number of records sampled from: the size of the whole data set, or
+            ``len(indices)``.
         sample_rate: ``q``, the probability that a record is in a step's batch.
         shuffle: reshuffle the shard assignment every epoch.
         shuffle_seed: seed of the shard permutation (must be the same on every rank).
@@ -53,6 +55,8 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
         steps: steps per epoch (default ``1 / sample_rate``).
         num_replicas, rank: world size and rank (default: from ``torch.distributed``).
         secure_mode: draw the inclusion variables from the OS CSPRNG (no generator allowed).
+        indices: the data set indices sampled from (distinct, ``total_size`` of them; ``None``:
+            ``range(total_size)``).
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
         num_replicas: int | None = None,
         rank: int | None = None,
         secure_mode: bool = False,
+        indices: Sequence[int] | torch.Tensor | None = None,
     ):
         if isinstance(total_size, bool) or not isinstance(total_size, int) or total_size <= 0:
             raise ValueError(f"total_size must be a positive integer, got {total_size!r}")
@@ -93,6 +98,11 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
         self.secure_mode = secure_mode
         self.generator = generator
         self.num_samples = len(range(rank, total_size, num_replicas))
+        if indices is not None:
+            from .uniform_sampler import as_index_tensor  # uniform_sampler imports this module
+
+            indices = as_index_tensor(indices, size=total_size)
+        self.indices = indices
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -105,14 +115,15 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
         self.rank_generator = None if self.secure_mode else _rank_generator(generator, self.rank)
 
     def shard(self) -> torch.Tensor:
-        """This rank's indices for the current epoch."""
+        """This rank's data set indices for the current epoch."""
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.shuffle_seed + self.epoch)
-            indices = torch.randperm(self.total_size, generator=g)
+            positions = torch.randperm(self.total_size, generator=g)
         else:
-            indices = torch.arange(self.total_size)
-        return indices[self.rank :: self.num_replicas]
+            positions = torch.arange(self.total_size)
+        positions = positions[self.rank :: self.num_replicas]
+        return positions if self.indices is None else self.indices[positions]
 
     def __len__(self) -> int:
         return self.steps

@@ -110,6 +110,7 @@ class DPTensorFastGradientClipping:
             reduced.backward()
             return
         self.module.norm_backward(reduced)
+        bound = self.module.clipping.snapshot()
         coef = self.module.get_clipping_coef()
         b = self.loss_per_sample.shape[0]
         coef = coef[:b].to(self.loss_per_sample.device, self.loss_per_sample.dtype)
@@ -120,7 +121,7 @@ class DPTensorFastGradientClipping:
                 weighted.backward()
         finally:
             self.module.enable_hooks()
-        self.module.mark_clipped_pass()
+        self.module.mark_clipped_pass(bound)
 
 
 class DPLossFastGradientClipping:
@@ -129,8 +130,8 @@ class DPLossFastGradientClipping:
     Args:
         module: the :class:`GradSampleModuleFastGradientClipping` (``"ghost"``) or
             :class:`GradSampleModuleBookKeeping` (``"bk"``) being trained.
-        optimizer: its ``DPOptimizerFastGradientClipping``; its ``max_grad_norm`` is copied to
-            the module at every call (clip-bound schedulers).
+        optimizer: its ``DPOptimizerFastGradientClipping``; the module adopts the optimizer's
+            :class:`~dptorch.clipping.ClippingContract` (one C for both, by reference).
         criterion: a loss with a ``reduction`` attribute (set to ``"none"`` while called).
         loss_reduction: ``"mean"`` or ``"sum"``; must equal the module's, optimizer's and
             criterion's.
@@ -158,16 +159,15 @@ class DPLossFastGradientClipping:
         }
         if len(set(found.values())) != 1:
             raise ValueError(f"loss_reduction must agree everywhere, got {found}")
+        clipping = getattr(optimizer, "clipping", None)
+        if clipping is not None and module.clipping is not clipping:
+            module.bind_clipping(clipping)
         self.module = module
         self.optimizer = optimizer
         self.criterion = criterion
         self.loss_reduction = loss_reduction
 
     def __call__(self, *args, shape=None, **kwargs) -> DPTensorFastGradientClipping:
-        if not isinstance(self.optimizer.max_grad_norm, (list, tuple)) and not isinstance(
-            self.module.max_grad_norm, (list, tuple)
-        ):
-            self.module.max_grad_norm = self.optimizer.max_grad_norm
         old = self.criterion.reduction
         self.criterion.reduction = "none"
         try:

@@ -7,7 +7,7 @@ is the sampling that the privacy amplification of DP-SGD accountants assumes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -25,18 +25,57 @@ __all__ = [
     "UniformWithReplacementSampler",
     "validate_sample_rate",
     "steps_for_sample_rate",
+    "as_index_tensor",
 ]
 
 
+def as_index_tensor(
+    indices: Sequence[int] | torch.Tensor, *, size: int, name: str = "indices"
+) -> torch.Tensor:
+    """``indices`` as a 1-D ``torch.long`` tensor, checked to be ``size`` distinct integers.
+
+    A record listed twice would be included twice in a Poisson batch, doubling its influence on
+    the gradient (the accountant assumes each record's inclusion is one Bernoulli draw):
+    duplicates raise ``ValueError``, as do non-integer values and a length other than ``size``.
+    """
+    if isinstance(indices, torch.Tensor):
+        t = indices.detach().cpu().reshape(-1)
+    else:
+        values = list(indices)
+        if any(isinstance(i, bool) for i in values):
+            raise ValueError(f"{name} must be integers, got booleans in {type(indices).__name__}.")
+        t = torch.as_tensor(values) if values else torch.zeros(0, dtype=torch.long)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be integers, got values of dtype {t.dtype}.")
+    t = t.to(torch.long)
+    if t.numel() != size:
+        raise ValueError(
+            f"{name}: {t.numel()} entries, but the sampler's size is {size}; it must be "
+            "len(indices)."
+        )
+    values, counts = t.unique(return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(
+            f"{name} contain some records more than once (e.g. {values[counts > 1][:5].tolist()}):"
+            " Poisson sampling would put such a record several times in one batch, which the "
+            "privacy accounting does not allow. Remove the duplicates."
+        )
+    return t
+
+
 class UniformWithReplacementSampler(Sampler[list[int]]):
-    """Batch sampler yielding ``steps`` Poisson batches of indices in ``range(num_samples)``.
+    """Batch sampler yielding ``steps`` Poisson batches of indices in ``range(num_samples)``, or,
+    with ``indices``, of entries of ``indices`` (a subset of the dataset: each of them joins each
+    batch independently with probability ``sample_rate``, no other record ever does).
 
     Args:
-        num_samples: dataset size (> 0).
+        num_samples: number of records sampled from (> 0): the dataset size, or
+            ``len(indices)``.
         sample_rate: probability ``q`` that each record joins each batch, in (0, 1].
         generator: ``torch.Generator`` for the inclusion draws (global RNG when ``None``).
         steps: number of batches per iteration (``len()``); defaults to ``1 / sample_rate``.
         secure_mode: draw the inclusion variables from the OS CSPRNG (no generator allowed).
+        indices: the dataset indices sampled from (distinct; ``None``: ``range(num_samples)``).
     """
 
     def __init__(
@@ -47,6 +86,7 @@ class UniformWithReplacementSampler(Sampler[list[int]]):
         generator: torch.Generator | None = None,
         steps: int | None = None,
         secure_mode: bool = False,
+        indices: Sequence[int] | torch.Tensor | None = None,
     ):
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
             raise ValueError(
@@ -59,6 +99,7 @@ class UniformWithReplacementSampler(Sampler[list[int]]):
         self.sample_rate = sample_rate
         self.generator = generator
         self.secure_mode = secure_mode
+        self.indices = None if indices is None else as_index_tensor(indices, size=num_samples)
 
     def __len__(self) -> int:
         return self.steps
@@ -69,7 +110,8 @@ class UniformWithReplacementSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.steps):
-            yield self.sample_mask().nonzero().reshape(-1).tolist()
+            picked = self.sample_mask().nonzero().reshape(-1)
+            yield (picked if self.indices is None else self.indices[picked]).tolist()
 
 
 # the distributed variant lives in its own module (owned by the distributed-training code)

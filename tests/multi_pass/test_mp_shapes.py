@@ -58,8 +58,9 @@ def test_pass_reaching_only_some_layers_gets_zero_slice():
     assert first.grad_sample.shape == (2, 3, *first.shape)
     assert torch.count_nonzero(first.grad_sample[1]) == 0
     torch.testing.assert_close(last.grad_sample[1, :2], torch.ones(2, 1, 1) * h[:, None, :])
-    assert last.grad_sample._pass_batch_sizes == (3, 2)
-    assert first.grad_sample._pass_batch_sizes == (3, None)
+    assert [r.batch_size for r in gsm.record.passes] == [3, 2]
+    assert [id(first) in r.covered for r in gsm.record.passes] == [True, False]
+    assert [id(last) in r.covered for r in gsm.record.passes] == [True, True]
 
 
 def test_zero_grad_starts_new_passes():

@@ -1,0 +1,318 @@
+"""The use trace: checks, over one forward pass, that every gradient contribution is hooked.
+
+Per-sample gradients are computed per *call* of a hooked module, from that call's inputs and
+its output's gradient. They are exact only if
+
+1. every use of a trainable parameter that carries a gradient happens inside a call of a
+   module that samples it (not ``F.linear(h, self.out.weight)`` in a parent's forward);
+2. what such a call computes from its parameters leaves the call only through its first
+   output (not a second output, nor a tensor cached on the module), whose gradient the hook
+   sees;
+3. the call's inputs come from the batch, so that its rows are the samples. A call on inputs
+   that do not (Hugging Face's ``position_ids`` of shape ``[1, T]``, T5's ``[T, T]`` bucket
+   index) has a gradient shared by all samples: with a batch dimension of size 1 its output is
+   expanded to the batch by the module (exact), otherwise it is refused.
+
+:class:`UseTrace` is a ``TorchFunctionMode`` run around one forward pass (the first after
+wrapping, and after the trainable parameters change). It tags every tensor computed inside a
+hooked call from a parameter the call samples, and every tensor derived from the model's batch
+inputs; the checks are then set operations on these tags. Cost: one Python call per torch
+function of that one forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["UseTrace", "mark_batched", "tensors_in"]
+
+_ACTIVE: list[UseTrace] = []
+
+
+def mark_batched(t: torch.Tensor) -> torch.Tensor:
+    """Declares that ``t`` has one row per sample of the current batch (e.g. an index a model
+    adapter expanded to the batch). Returns ``t``; a no-op when no trace runs."""
+    for tr in _ACTIVE:
+        tr.batched[id(t)] = t
+    return t
+
+
+def tensors_in(obj, depth: int = 3) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj`` and in its lists, tuples and dict values (``depth`` levels)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v, depth - 1)
+    elif depth > 0 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v, depth - 1)
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    name: str
+    sampled: frozenset[int]
+    batched: bool
+
+
+class UseTrace(TorchFunctionMode):
+    """Records the problems of one forward pass (see the module docstring).
+
+    Args:
+        params: ``{id(p): (name, p)}`` of every trainable parameter.
+        module_names: ``{id(module): path}`` for messages.
+        batch_inputs: the tensors of the model's batch (the wrapped module's inputs).
+        batch_size: ``B``, or ``None`` when unknown.
+        bdim: the batch dimension of the model's tensors (1 with ``batch_first=False``).
+        check_uses: check rules 1 and 2 (off where per-sample gradients do not come from
+            module calls, e.g. ExpandedWeights, which differentiates every use of a parameter).
+    """
+
+    def __init__(
+        self,
+        params: dict[int, tuple[str, nn.Parameter]],
+        module_names: dict[int, str],
+        batch_inputs: list[torch.Tensor],
+        batch_size: int | None,
+        bdim: int = 0,
+        check_uses: bool = True,
+    ):
+        super().__init__()
+        self.bdim = bdim
+        self.check_uses = check_uses
+        self.params = params
+        self.module_names = module_names
+        self.batch_size = batch_size
+        self.batched: dict[int, torch.Tensor] = {id(t): t for t in batch_inputs}
+        self.tags: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
+        self.stack: list[int] = []
+        self.calls: dict[int, _Call] = {}
+        self.ended: set[int] = set()
+        self.problems: list[str] = []
+        self._paused = 0
+        self._next = 0
+
+    # ------------------------------------------------------------------ module calls
+    def enter(self, module: nn.Module, sampled: set[int], inputs) -> None:
+        """A hooked call begins (forward pre-hook)."""
+        batched = any(id(t) in self.batched for t in tensors_in(inputs))
+        self._next += 1
+        self.calls[self._next] = _Call(
+            module, self.module_names.get(id(module), type(module).__name__), frozenset(sampled),
+            batched,
+        )
+        self.stack.append(self._next)
+
+    def exit(self, module: nn.Module, output, expanded: bool = False) -> None:
+        """A hooked call ends (forward hook): its first output is the sanctioned exit;
+        ``expanded``: the module expanded a batch dimension of size 1 to the batch."""
+        while self.stack:
+            cid = self.stack.pop()
+            self.ended.add(cid)
+            if self.calls[cid].module is module:
+                break
+        else:
+            return
+        call = self.calls[cid]
+        first = next(tensors_in(output), None)
+        if call.batched:  # ops inside the call that the trace cannot see (custom Functions)
+            for t in tensors_in(output):
+                self.batched[id(t)] = t
+        if first is not None:
+            tag = self.tags.get(id(first))
+            if tag is not None:
+                rest = tag[1] - {cid}
+                if rest:
+                    self.tags[id(first)] = (first, rest)
+                else:
+                    del self.tags[id(first)]
+        if (
+            call.sampled
+            and not call.batched
+            and first is not None
+            and first.requires_grad
+            and self.batch_size is not None
+            and self.batch_size > 1
+            and not expanded
+        ):
+            self.problems.append(
+                f"{call.name} ({type(module).__name__}) was called on inputs that do not come "
+                "from the batch (e.g. an index built from the sequence length), and its output "
+                f"of shape {tuple(first.shape)} has no batch dimension of size 1 to expand: its "
+                "parameters' gradient is shared by every sample and cannot be split per sample "
+                "at this layer. Fix: compute the layer per sample (expand its input to the "
+                "batch), or freeze it."
+            )
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Torch calls made by dptorch itself (hooks) are not traced."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    # ------------------------------------------------------------------ every torch call
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
+        inputs = list(tensors_in((args, kwargs)))
+        out = func(*args, **kwargs)
+        outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor)]
+        if any(id(t) in self.batched for t in inputs) or self._broadcast_to_batch(
+            func, inputs, outs
+        ):
+            for t in outs:
+                self.batched[id(t)] = t
+        if not self.check_uses or not any(t.requires_grad for t in outs):
+            return out
+        carried: set[int] = set()
+        for t in inputs:
+            tid = id(t)
+            if tid in self.params and self.params[tid][1].requires_grad:
+                cid = self._covering_call(tid)
+                if cid is None:
+                    self._uncovered(tid, func)
+                else:
+                    carried.add(cid)
+            tag = self.tags.get(tid)
+            if tag is not None:
+                escaped = tag[1] & self.ended
+                if escaped:
+                    self._escaped(escaped)
+                carried |= tag[1] - escaped
+        if carried:
+            for t in outs:
+                prev = self.tags.get(id(t))
+                self.tags[id(t)] = (t, frozenset(carried) | (prev[1] if prev else frozenset()))
+        return out
+
+    def _broadcast_to_batch(self, func, inputs: list, outs: list) -> bool:
+        """Whether ``func`` made a tensor with one (identical) row per sample out of data that
+        is the same for every sample: an ``expand``/``repeat`` of a batch dimension of size 1
+        to ``B`` (Hugging Face's ``token_type_ids`` buffer), or a tensor of at least 2 dims
+        created with ``B`` rows. Its rows line up with the samples, so a call on it is exact;
+        an index built from the sequence length (T5's ``[T, T]``) is neither."""
+        b = self.batch_size
+        if b is None or not outs:
+            return False
+        o = outs[0]
+        if o.dim() <= self.bdim or o.shape[self.bdim] != b:
+            return False
+        if not inputs:
+            return o.dim() >= 2
+        name = getattr(func, "__name__", "")
+        if name in ("expand", "expand_as", "broadcast_to", "repeat"):
+            src = inputs[0]
+            lead = src.dim() - o.dim() + self.bdim
+            return lead < 0 or src.shape[lead] == 1
+        return False
+
+    def _covering_call(self, pid: int) -> int | None:
+        for cid in reversed(self.stack):
+            if pid in self.calls[cid].sampled:
+                return cid
+        return None
+
+    def _where(self) -> str:
+        return f"inside {self.calls[self.stack[-1]].name}'s forward" if self.stack else (
+            "in the model's top-level forward"
+        )
+
+    def _uncovered(self, pid: int, func) -> None:
+        name = self.params[pid][0]
+        fname = getattr(func, "__name__", str(func))
+        self.problems.append(
+            f"parameter {name} is used by {fname} {self._where()}, outside a call of the "
+            "module that owns it: no per-sample-gradient hook sees that use, so its gradient "
+            "would not be clipped per sample. Fix: call the owning module instead of using its "
+            "parameter directly (e.g. self.out(h), not F.linear(h, self.out.weight)), register "
+            "a grad sampler for the module that uses it, or freeze the parameter."
+        )
+
+    def _escaped(self, cids: set[int]) -> None:
+        for cid in cids:
+            call = self.calls[cid]
+            msg = (
+                f"{call.name} ({type(call.module).__name__}) computed a tensor from its "
+                "parameters that is used after the call other than through its first output "
+                "(a second output, or a tensor kept on the module): only the first output's "
+                "gradient is seen, so that contribution would not be clipped per sample. Fix: "
+                "return one tensor (or make the others detached), or register a grad sampler "
+                "for the module."
+            )
+            if msg not in self.problems:
+                self.problems.append(msg)
+
+    # ------------------------------------------------------------------ activation
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    def check(self) -> None:
+        """Raises ``ValueError`` listing every problem found."""
+        if self.problems:
+            lines = "\n".join(f"  - {p}" for p in dict.fromkeys(self.problems))
+            raise ValueError(
+                "This model cannot get exact per-sample gradients as written; training it "
+                f"would release unclipped or wrong gradients:\n{lines}"
+            )
+
+
+def check_structure(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    batch_size: int | None,
+    bdim: int = 0,
+    check_uses: bool = True,
+) -> None:
+    """Runs ``model(*args, **kwargs)`` once under a :class:`UseTrace` (hooks on every module
+    that samples a trainable parameter) and raises ``ValueError`` on any problem. A call on a
+    batch-independent input counts as a problem even with a batch dimension of size 1 (for
+    modes that cannot expand it, such as ExpandedWeights). The output is discarded."""
+    from .unit_params import sampled_parameters
+
+    sampled = sampled_parameters(model)
+    names = {id(m): name or "<root>" for name, m in model.named_modules()}
+    params = {id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}
+    trace = UseTrace(
+        params, names, list(tensors_in((args, kwargs))), batch_size, bdim, check_uses
+    )
+    handles = []
+    for m in model.modules():
+        ids = {id(p) for _, p in sampled.get(id(m), ())}
+        if not ids:
+            continue
+
+        def enter(mod, a, kw, ids=ids):
+            with trace.paused():
+                trace.enter(mod, ids, (a, kw))
+
+        def leave(mod, a, kw, out):
+            with trace.paused():
+                trace.exit(mod, out, expanded=False)
+
+        handles.append(m.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(m.register_forward_hook(leave, with_kwargs=True))
+    try:
+        with trace, torch.enable_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    trace.check()
