@@ -27,6 +27,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .functorch import ft_compute_per_sample_gradient
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
+from .hf_adapters import install_adapters
 from .registry import GRAD_SAMPLERS
 from .step_record import PassRecord, StepRecord, register_record, unregister_record
 from .unit_params import sampled_parameters, trainable_units
@@ -557,30 +558,27 @@ class GradSampleModule(AbstractGradSampleModule):
         return errors
 
 
-def install_adapters(model: nn.Module) -> list:
-    """Model adapters (:mod:`dptorch.grad_sample.hf_adapters`) installed on ``model``."""
-    try:
-        from .hf_adapters import install_adapters as install
-    except ImportError:
-        return []
-    return install(model)
-
-
 def _trainable_signature(module: nn.Module) -> tuple:
     return tuple(id(p) for p in module.parameters() if p.requires_grad)
 
 
 @dataclass
 class _ForwardBatch:
-    """The batch size of one forward pass of the wrapped module: rows of its input and of its
-    output (first tensor with a batch dimension); the output's is the loss's batch."""
+    """The batch size of one forward pass of the wrapped module, from the rows of its input and
+    of its output (first tensor with a batch dimension). When both are known and disagree (an
+    output of flattened tokens, or a wrong ``batch_first``) neither is taken: the calls of a
+    backward pass must then only agree with each other."""
 
     input_rows: int | None
     output_rows: int | None = None
 
     @property
     def rows(self) -> int | None:
-        return self.output_rows if self.output_rows is not None else self.input_rows
+        if self.output_rows is None:
+            return self.input_rows
+        if self.input_rows is None or self.input_rows == self.output_rows:
+            return self.output_rows
+        return None
 
 
 def output_batch_size(out, batch_first: bool = True) -> int | None:

@@ -290,6 +290,24 @@ def test_expanded_weights_exact_or_refused(case):
         torch.testing.assert_close(got[n], r)
 
 
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
+def test_flattened_token_output_is_not_refused(mode):
+    """A model returning one row per token ([B*T]) has output rows != input rows: the rows of the
+    per-sample results are then only required to agree with each other (no false refusal)."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2), nn.Flatten(0, 1))
+    gsm = wrap_model(model, mode, loss_reduction="sum",
+                     **({"max_grad_norm": 1.0} if mode != "hooks" else {}))
+    x = torch.randn(B, T, 4)
+    out = gsm(x)
+    assert out.shape == (B * T, 2)
+    if mode == "ghost":
+        gsm.norm_backward(out.pow(2).sum())
+        assert gsm.per_sample_gradient_norms.shape == (B,)
+    else:
+        out.pow(2).sum().backward()
+        assert gsm.record.passes[-1].batch_size == B
+
+
 def test_bk_refuses_a_parameter_term_in_the_loss():
     """bk computes no autograd weight gradient for Linear: any that arrives (here from a weight
     penalty in the loss) is a contribution no per-sample hook saw."""
