@@ -303,6 +303,8 @@ class GradSampleModule(AbstractGradSampleModule):
             new = self._capture_call(module, args, kwargs, output)
             if module.training:
                 trace.exit(module, output, expanded=new is not None)
+                if new is not None:
+                    trace.mark_expanded(next(tensors_in(new)))
             return new
 
     def _capture_call(self, module, args, kwargs, output):

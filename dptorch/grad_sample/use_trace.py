@@ -11,7 +11,11 @@ its output's gradient. They are exact only if
 3. the call's inputs come from the batch, so that its rows are the samples. A call on inputs
    that do not (Hugging Face's ``position_ids`` of shape ``[1, T]``, T5's ``[T, T]`` bucket
    index) has a gradient shared by all samples: with a batch dimension of size 1 its output is
-   expanded to the batch by the module (exact), otherwise it is refused.
+   expanded to the batch by the module (exact), otherwise it is refused;
+4. an expanded output keeps its batch axis, row ``b`` for sample ``b``, until it meets batch
+   data: an op that merges, moves, indexes or reduces that axis first (``reshape(-1, d)``,
+   ``[index]``, ``sum(0)``) would credit every sample's gradient to the first rows, and is
+   refused.
 
 :class:`UseTrace` is a ``TorchFunctionMode`` run around one forward pass (the first after
 wrapping, and after the trainable parameters change). It tags every tensor computed inside a
@@ -61,6 +65,14 @@ class _Call:
     name: str
     sampled: frozenset[int]
     batched: bool
+    inputs: tuple = ()
+
+
+def _only_expanded(inputs: tuple, trace: UseTrace) -> bool:
+    """Whether the call's inputs reach the batch only through expanded tensors."""
+    return not any(id(t) in trace.batched for t in inputs) and any(
+        id(t) in trace.expanded for t in inputs
+    )
 
 
 class UseTrace(TorchFunctionMode):
@@ -92,6 +104,7 @@ class UseTrace(TorchFunctionMode):
         self.module_names = module_names
         self.batch_size = batch_size
         self.batched: dict[int, torch.Tensor] = {id(t): t for t in batch_inputs}
+        self.expanded: dict[int, torch.Tensor] = {}
         self.tags: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         self.stack: list[int] = []
         self.calls: dict[int, _Call] = {}
@@ -101,13 +114,19 @@ class UseTrace(TorchFunctionMode):
         self._next = 0
 
     # ------------------------------------------------------------------ module calls
+    def mark_expanded(self, t: torch.Tensor) -> None:
+        """``t`` is a call's output expanded from a batch dimension of size 1 (rule 4)."""
+        self.expanded[id(t)] = t
+
     def enter(self, module: nn.Module, sampled: set[int], inputs) -> None:
         """A hooked call begins (forward pre-hook)."""
-        batched = any(id(t) in self.batched for t in tensors_in(inputs))
+        batched = any(
+            id(t) in self.batched or id(t) in self.expanded for t in tensors_in(inputs)
+        )
         self._next += 1
         self.calls[self._next] = _Call(
             module, self.module_names.get(id(module), type(module).__name__), frozenset(sampled),
-            batched,
+            batched, tuple(tensors_in(inputs)),
         )
         self.stack.append(self._next)
 
@@ -124,8 +143,10 @@ class UseTrace(TorchFunctionMode):
         call = self.calls[cid]
         first = next(tensors_in(output), None)
         if call.batched:  # ops inside the call that the trace cannot see (custom Functions)
+            marks = self.expanded if _only_expanded(call.inputs, self) else self.batched
             for t in tensors_in(output):
-                self.batched[id(t)] = t
+                if id(t) not in self.batched and id(t) not in self.expanded:
+                    marks[id(t)] = t
         if first is not None:
             tag = self.tags.get(id(first))
             if tag is not None:
@@ -169,6 +190,8 @@ class UseTrace(TorchFunctionMode):
         inputs = list(tensors_in((args, kwargs)))
         out = func(*args, **kwargs)
         outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor)]
+        if any(id(t) in self.expanded for t in inputs):
+            self._check_expanded(func, inputs, outs)
         if any(id(t) in self.batched for t in inputs) or self._broadcast_to_batch(
             func, inputs, outs
         ):
@@ -196,6 +219,27 @@ class UseTrace(TorchFunctionMode):
                 prev = self.tags.get(id(t))
                 self.tags[id(t)] = (t, frozenset(carried) | (prev[1] if prev else frozenset()))
         return out
+
+    def _check_expanded(self, func, inputs: list, outs: list) -> None:
+        """Rule 4: every output of an op on an expanded tensor keeps the batch axis; until the
+        op also takes batch data, its outputs are expanded tensors too."""
+        b, d = self.batch_size, self.bdim
+        for o in outs:
+            if b is not None and (o.dim() <= d or o.shape[d] != b):
+                name = getattr(func, "__name__", str(func))
+                self.problems.append(
+                    f"{name} {self._where()} turns a tensor of shape (..., batch {b}, ...) that "
+                    "dptorch expanded from a batch dimension of size 1 (a layer called on an "
+                    "input that does not come from the batch, e.g. position ids of shape "
+                    f"[1, T]) into shape {tuple(o.shape)}, which no longer has one row per "
+                    "sample: per-sample gradients would be credited to the wrong samples. Fix: "
+                    "keep the batch axis first until the tensor is combined with batch data, or "
+                    "feed the layer an input expanded to the batch."
+                )
+                return
+        if not any(id(t) in self.batched for t in inputs if id(t) not in self.expanded):
+            for o in outs:
+                self.expanded[id(o)] = o
 
     def _broadcast_to_batch(self, func, inputs: list, outs: list) -> bool:
         """Whether ``func`` made a tensor with one (identical) row per sample out of data that

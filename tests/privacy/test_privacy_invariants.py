@@ -123,6 +123,23 @@ class RelativeBias(nn.Module):
         return self.head(torch.softmax(scores, -1) @ h).mean(1)
 
 
+class ExpandedThenFlattened(nn.Module):
+    """Swin-v2-like: a layer on a batch-independent [1, N, 2] table whose output is flattened
+    and gathered before it meets the batch: expanding it to the batch would credit every
+    sample's gradient to the first rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.cpb = nn.Linear(2, 2)
+        self.register_buffer("table", torch.randn(1, 4, 2))
+        self.register_buffer("index", torch.tensor([0, 3, 1, 2]))
+        self.head = nn.Linear(4 * 2, 3)
+
+    def forward(self, x):  # x [B, 8]
+        bias = self.cpb(self.table).reshape(-1, 2)[self.index]  # [4, 2]
+        return self.head(x * bias.flatten())
+
+
 class ParentOwnsChildBias(nn.Module):
     """BERT's MLM head: ``bias`` registered in the head and in its ``decoder``."""
 
@@ -160,6 +177,15 @@ def test_hf_position_ids_broadcast_is_exact(mode):
     model = PositionBroadcast()
     bounds = variant_bounds(model, mode, 0.3)
     assert_exact_or_refused(model, mode, ids, y, bounds, must_work=True)
+
+
+@pytest.mark.parametrize("mode", VARIANTS)
+def test_expanded_output_that_loses_its_batch_axis_is_refused(mode):
+    torch.manual_seed(0)
+    x, y = _data(shape=(B, 8))
+    model = ExpandedThenFlattened()
+    bounds = variant_bounds(model, mode, 1.0)
+    assert assert_exact_or_refused(model, mode, x, y, bounds) == "refused"
 
 
 @pytest.mark.parametrize("mode", VARIANTS)
