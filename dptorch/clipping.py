@@ -148,11 +148,26 @@ class ClippingContract:
     def state_dict(self) -> dict[str, Any]:
         return {"max_grad_norm": self._flat, "max_grad_norms": self.max_grad_norms}
 
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raises ``ValueError`` if ``state`` is of another kind (flat vs per-layer, or another
+        number of per-layer bounds) than this contract."""
+        norms = state.get("max_grad_norms")
+        if (norms is None) != (self._norms is None) or (
+            norms is not None and len(norms) != len(self._norms)
+        ):
+            kind = "flat" if norms is None else f"per-layer ({len(norms)} bounds)"
+            mine = "flat" if self._norms is None else f"per-layer ({len(self._norms)} bounds)"
+            raise ValueError(
+                f"The checkpoint's clipping is {kind} but this optimizer's is {mine}: load it "
+                "into an optimizer built with the same clipping mode (make_private(clipping=...))."
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("max_grad_norms") is not None:
-            self.max_grad_norms = state["max_grad_norms"]
-        elif self._norms is None:
+        self.check_state_dict(state)
+        if self._norms is None:
             self.max_grad_norm = state["max_grad_norm"]
+        else:
+            self.max_grad_norms = state["max_grad_norms"]
 
     def __repr__(self) -> str:
         if self._norms is None:

@@ -965,6 +965,9 @@ class PrivacyEngine:
         if map_location is not None:
             load_kwargs["map_location"] = map_location
         ckpt = torch.load(path, **load_kwargs)
+        clip_state = (ckpt.get("dp_optimizer_state") or {}).get("clipping")
+        if isinstance(optimizer, DPOptimizer) and clip_state is not None:
+            optimizer.clipping.check_state_dict(clip_state)  # before anything is loaded
         state = _match_gsm_prefix(ckpt.pop("module_state_dict"), module)
         module.load_state_dict(state, **(module_load_dict_kwargs or {}))
         self.accountant.load_state_dict(ckpt.pop("privacy_accountant_state_dict"))

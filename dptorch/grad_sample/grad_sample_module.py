@@ -286,7 +286,9 @@ class GradSampleModule(AbstractGradSampleModule):
             for h in pre:
                 h.remove()
         trace.check()
-        self._trace_armed = False
+        # a batch of 0 or 1 sample cannot tell batch data from shared data: trace again then
+        if bsz is None or bsz > 1:
+            self._trace_armed = False
         return out
 
     def _trace_enter(self, module, args, kwargs):

@@ -39,7 +39,7 @@ from ..clipping import ClippingContract
 from .grad_sample_module import GradSampleModule
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
 from .registry import NORM_SAMPLERS
-from .step_record import PassRecord
+from .step_record import PassRecord, grad_state
 from .utils import register_grad_sample_mode
 
 logger = logging.getLogger(__name__)
@@ -150,8 +150,11 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         """L2 norm over all trainable parameters of each sample's gradient in the last backward
         pass, ``(B,)``."""
         if self._per_sample_gradient_norms is None:
-            raise AttributeError(
-                "per_sample_gradient_norms is only available after a backward pass"
+            # not AttributeError: nn.Module.__getattr__ would replace the message
+            raise RuntimeError(
+                "per_sample_gradient_norms is only available after a backward pass through a "
+                "forward pass run in training mode, with gradients enabled and the hooks on "
+                "(model.train(), no torch.no_grad(), no disable_hooks())."
             )
         return self._per_sample_gradient_norms
 
@@ -288,6 +291,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         rec = self.record.passes[-1]
         rec.clipped = True
         rec.clip_bound = self.clipping.snapshot() if bound is None else bound
+        rec.grad_state = {id(p): grad_state(p) for p in self.trainable_parameters()}
         self.check_can_clip()
 
 

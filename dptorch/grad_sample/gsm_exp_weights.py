@@ -104,7 +104,8 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
             # that do not come from the batch (an index of shape [T, T], even with T == B)
             # would get per-sample gradients whose rows are not the samples
             check_structure(self._module, (x, *args), kwargs, batch_size, check_uses=False)
-            self._checked = signature
+            if batch_size > 1:  # one sample cannot tell batch data from shared data
+                self._checked = signature
         try:
             return call_for_per_sample_grads(
                 self._module, batch_size=batch_size, loss_reduction=self.loss_reduction

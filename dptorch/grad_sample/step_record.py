@@ -20,6 +20,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
+    "grad_state",
     "PassRecord",
     "StepRecord",
     "record_of",
@@ -36,7 +37,8 @@ class PassRecord:
     ``batch_size``: rows of every per-sample tensor (or norm) of the pass; ``covered``: ids of
     the parameters some hook computed a per-sample result for; ``public``: run inside
     ``public_pass()``; ``clip_bound``: the bound(s) the fast-clipping factors used (``None``
-    where the optimizer clips); ``clipped``: the pass added a clipped sum to ``p.grad``.
+    where the optimizer clips); ``clipped``: the pass added a clipped sum to ``p.grad``;
+    ``grad_state``: :func:`grad_state` of every trainable parameter right after that.
     """
 
     batch_size: int | None = None
@@ -44,6 +46,14 @@ class PassRecord:
     public: bool = False
     clip_bound: float | tuple[float, ...] | None = None
     clipped: bool = False
+    grad_state: dict[int, tuple[int, int] | None] | None = None
+
+
+def grad_state(p: torch.Tensor) -> tuple[int, int] | None:
+    """Identity and version of ``p.grad`` (``None`` without one): any later write to ``p.grad``
+    (an extra backward pass, an edit in place, a new tensor) changes it."""
+    g = p.grad
+    return None if g is None else (id(g), g._version)
 
 
 class StepRecord:

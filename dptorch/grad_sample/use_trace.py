@@ -69,10 +69,13 @@ class _Call:
 
 
 def _only_expanded(inputs: tuple, trace: UseTrace) -> bool:
-    """Whether the call's inputs reach the batch only through expanded tensors."""
-    return not any(id(t) in trace.batched for t in inputs) and any(
-        id(t) in trace.expanded for t in inputs
-    )
+    """Whether the call's inputs reach the batch only through expanded tensors or copies."""
+    return not any(id(t) in trace.batched for t in inputs)
+
+
+_CONSTANT_FACTORIES = frozenset(
+    ("zeros", "ones", "full", "empty", "new_zeros", "new_ones", "new_full", "new_empty")
+)
 
 
 class UseTrace(TorchFunctionMode):
@@ -105,6 +108,7 @@ class UseTrace(TorchFunctionMode):
         self.batch_size = batch_size
         self.batched: dict[int, torch.Tensor] = {id(t): t for t in batch_inputs}
         self.expanded: dict[int, torch.Tensor] = {}
+        self.copies: dict[int, torch.Tensor] = {}
         self.tags: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         self.stack: list[int] = []
         self.calls: dict[int, _Call] = {}
@@ -121,7 +125,8 @@ class UseTrace(TorchFunctionMode):
     def enter(self, module: nn.Module, sampled: set[int], inputs) -> None:
         """A hooked call begins (forward pre-hook)."""
         batched = any(
-            id(t) in self.batched or id(t) in self.expanded for t in tensors_in(inputs)
+            id(t) in self.batched or id(t) in self.expanded or id(t) in self.copies
+            for t in tensors_in(inputs)
         )
         self._next += 1
         self.calls[self._next] = _Call(
@@ -192,11 +197,12 @@ class UseTrace(TorchFunctionMode):
         outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor)]
         if any(id(t) in self.expanded for t in inputs):
             self._check_expanded(func, inputs, outs)
-        if any(id(t) in self.batched for t in inputs) or self._broadcast_to_batch(
-            func, inputs, outs
-        ):
+        if any(id(t) in self.batched for t in inputs):
             for t in outs:
                 self.batched[id(t)] = t
+        elif self._copies(func, inputs, outs):
+            for t in outs:
+                self.copies[id(t)] = t
         if not self.check_uses or not any(t.requires_grad for t in outs):
             return out
         carried: set[int] = set()
@@ -224,8 +230,12 @@ class UseTrace(TorchFunctionMode):
         """Rule 4: every output of an op on an expanded tensor keeps the batch axis; until the
         op also takes batch data, its outputs are expanded tensors too."""
         b, d = self.batch_size, self.bdim
+        ranks = {t.dim() for t in inputs if id(t) in self.expanded}
         for o in outs:
-            if b is not None and (o.dim() <= d or o.shape[d] != b):
+            # with several inputs, broadcasting aligns the trailing axes: the expanded tensor's
+            # batch axis stays the output's only if their ranks agree
+            misaligned = len(inputs) > 1 and any(r != o.dim() for r in ranks)
+            if b is not None and (o.dim() <= d or o.shape[d] != b or misaligned):
                 name = getattr(func, "__name__", str(func))
                 self.problems.append(
                     f"{name} {self._where()} turns a tensor of shape (..., batch {b}, ...) that "
@@ -241,26 +251,31 @@ class UseTrace(TorchFunctionMode):
             for o in outs:
                 self.expanded[id(o)] = o
 
-    def _broadcast_to_batch(self, func, inputs: list, outs: list) -> bool:
-        """Whether ``func`` made a tensor with one (identical) row per sample out of data that
-        is the same for every sample: an ``expand``/``repeat`` of a batch dimension of size 1
-        to ``B`` (Hugging Face's ``token_type_ids`` buffer), or a tensor of at least 2 dims
-        created with ``B`` rows. Its rows line up with the samples, so a call on it is exact;
-        an index built from the sequence length (T5's ``[T, T]``) is neither."""
+    def _copies(self, func, inputs: list, outs: list) -> bool:
+        """Whether ``func`` made ``B`` identical rows out of data that is the same for every
+        sample: a constant created with ``B`` rows (``torch.zeros(input_shape)``), an
+        ``expand``/``repeat`` to ``B`` rows (Hugging Face's ``token_type_ids`` buffer), or an
+        op on such copies, with other inputs of lower rank only, that keeps the ``B`` rows. A hooked call may take them (its
+        output is then *expanded*, rule 4). An index built from the sequence length (T5's
+        ``[T, T]``, ``torch.eye(T)``) is not copies, even when ``T == B``."""
         b = self.batch_size
         if b is None or not outs:
             return False
         o = outs[0]
         if o.dim() <= self.bdim or o.shape[self.bdim] != b:
             return False
-        if not inputs:
-            return o.dim() >= 2
         name = getattr(func, "__name__", "")
-        if name in ("expand", "expand_as", "broadcast_to", "repeat"):
+        if name in _CONSTANT_FACTORIES:
+            return not inputs or name.startswith("new_")
+        if name in ("expand", "expand_as", "broadcast_to", "repeat") and inputs:
             src = inputs[0]
             lead = src.dim() - o.dim() + self.bdim
-            return lead < 0 or src.shape[lead] == 1
-        return False
+            return lead < 0 or src.shape[lead] == 1 or id(src) in self.copies
+        # an op on copies keeps identical rows if its other inputs have a lower rank than the
+        # output (broadcast alike to every row: scalars, a [T] table), not a row-wise one
+        if not any(id(t) in self.copies for t in inputs):
+            return False
+        return all(t.dim() < o.dim() for t in inputs if id(t) not in self.copies)
 
     def _covering_call(self, pid: int) -> int | None:
         for cid in reversed(self.stack):

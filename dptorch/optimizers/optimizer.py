@@ -159,6 +159,7 @@ class DPOptimizer(Optimizer):
         self._is_last_step_skipped = False
         self._manual_stage = 0  # 0: nothing done, 1: clipped, 2: folded, 3: accumulated
         self._folded_passes = 0
+        self._summed_bound: float | tuple[float, ...] | None = None  # C of the pending sum
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
         for p in self.params:
@@ -508,6 +509,8 @@ class DPOptimizer(Optimizer):
 
     def pre_step(self, closure: Callable | None = None) -> bool:
         """Clip, accumulate, noise, scale and run hooks; ``False`` when the step is skipped."""
+        self._check_frozen_grads()
+        self._check_pending_bound()
         if self.auto_clip_and_accum_on_step:
             self.clip_and_accumulate()
         elif self._manual_stage != 3:
@@ -529,6 +532,35 @@ class DPOptimizer(Optimizer):
             self.step_hook(self)
         self._is_last_step_skipped = False
         return True
+
+    def _check_frozen_grads(self) -> None:
+        """The wrapped optimizer updates every parameter of its groups that has a ``.grad``, but
+        only trainable ones are clipped and noised: a parameter frozen after the backward pass
+        gave it a gradient would be released raw."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad and _has_nonzero_grad(p):
+                    raise ValueError(
+                        f"A parameter of shape {tuple(p.shape)} was frozen (requires_grad=False) "
+                        "after the backward pass gave it a gradient: optimizer.step() would "
+                        "apply that gradient unclipped and without noise. Freeze or unfreeze "
+                        "parameters between optimizer.zero_grad() and the next forward pass."
+                    )
+
+    def _check_pending_bound(self) -> None:
+        """The clipped sums kept over skipped steps (a logical batch of several physical ones)
+        must all be clipped with one bound, the one the noise is calibrated to."""
+        snap = self.clipping.snapshot()
+        pending = any(getattr(p, "summed_grad", None) is not None for p in self.params)
+        if pending and self._summed_bound is not None and self._summed_bound != snap:
+            raise ValueError(
+                f"max_grad_norm changed from {self._summed_bound} to {snap} within a logical "
+                "batch (between the physical steps of BatchMemoryManager or signal_skip_step): "
+                "the clipped sum mixes two bounds and the noise would be calibrated to the last "
+                "one only. Change max_grad_norm (or step a grad-clip scheduler) after a real "
+                "optimizer.step()."
+            )
+        self._summed_bound = snap
 
     def _ensure_summed_grads(self) -> None:
         """Every trainable parameter is released with noise at every step, even when no sample
@@ -563,6 +595,8 @@ class DPOptimizer(Optimizer):
             clear_grad_sample(p)
             if not self._is_last_step_skipped:
                 p.summed_grad = None
+        if not self._is_last_step_skipped:
+            self._summed_bound = None
         self._manual_stage = 0
         self._folded_passes = 0
         self.original_optimizer.zero_grad(set_to_none)

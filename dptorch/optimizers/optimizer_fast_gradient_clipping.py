@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from ..grad_sample.step_record import grad_state
 from .ddpoptimizer import DistributedDPOptimizerMixin
 from .optimizer import DPOptimizer, _has_nonzero_grad
 from .perlayeroptimizer import DPPerLayerOptimizer
@@ -104,6 +105,16 @@ class DPOptimizerFastGradientClipping(DPOptimizer):
                     "before the next backward pass."
                 )
         covered = set().union(*(rec.covered for rec in recs)) if recs else set()
+        last = passes[-1].grad_state if passes else None
+        for p in self.params:
+            if last is not None and id(p) in last and grad_state(p) != last[id(p)]:
+                raise ValueError(
+                    f"p.grad of a parameter of shape {tuple(p.shape)} changed after the last "
+                    "clipped backward pass (a backward pass with the hooks disabled, or an edit "
+                    "of p.grad): that contribution was not clipped per sample. Run every "
+                    "backward pass through the DP loss with the hooks enabled, and leave p.grad "
+                    "alone until optimizer.step()."
+                )
         for p in self.params:
             if id(p) not in covered:
                 if _has_nonzero_grad(p):

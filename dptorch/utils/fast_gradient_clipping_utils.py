@@ -187,6 +187,6 @@ class DPLossFastGradientClipping:
             else:
                 loss = loss.sum(1)
         if loss.dim() > 1:  # element-wise losses: reduce each sample's elements like the batch
-            flat = loss.reshape(loss.shape[0], -1)
+            flat = loss.flatten(1)
             loss = flat.mean(1) if self.loss_reduction == "mean" else flat.sum(1)
         return DPTensorFastGradientClipping(self.module, self.optimizer, loss, self.loss_reduction)

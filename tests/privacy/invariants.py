@@ -63,8 +63,8 @@ def dp_update(
     before_backward: Callable | None = None,
 ) -> dict[str, torch.Tensor]:
     """One DP-SGD step (SGD lr=1, noise 0, loss sum) of a deep copy of ``model`` in ``mode``;
-    returns ``{name: before - after}``. ``before_backward(model, opt)`` and
-    ``between(model, opt)`` run after wrapping and after the backward pass."""
+    returns ``{name: before - after}``. ``before_backward(model, opt, gsm)`` and
+    ``between(model, opt, gsm)`` run after wrapping and after the backward pass."""
     model = copy.deepcopy(model)
     mode = mode.split("-")[0]
     multi = mode == "multi_pass"
@@ -80,7 +80,7 @@ def dp_update(
                      **({"clipping": opt.clipping} if fast else {}),
                      **({"multi_pass": True} if multi else {}))
     if before_backward is not None:
-        before_backward(model, opt)
+        before_backward(model, opt, gsm)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.zero_grad()
     out = gsm(x)
@@ -90,7 +90,7 @@ def dp_update(
     else:
         sample_loss(out, y).backward()
     if between is not None:
-        between(model, opt)
+        between(model, opt, gsm)
     opt.step()
     return {n: before[n] - p.detach() for n, p in model.named_parameters()}
 

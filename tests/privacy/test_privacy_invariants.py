@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dptorch.grad_sample import wrap_model
+from dptorch.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
 from .invariants import (
     MODES,
@@ -235,7 +236,7 @@ def test_unfrozen_after_wrapping_is_hooked_or_refused(mode):
     model = mlp()
     model[0].weight.requires_grad_(False)
 
-    def unfreeze(m, opt):
+    def unfreeze(m, opt, gsm):
         m[0].weight.requires_grad_(True)
 
     bounds = [0.5] * 3 if per_layer else 0.5
@@ -257,7 +258,7 @@ def test_clip_bound_changed_after_make_private_is_used(mode):
     x, y = _data()
     model = mlp()
 
-    def change(m, opt):
+    def change(m, opt, gsm):
         opt.max_grad_norm = 0.1 * opt.max_grad_norm  # e.g. a grad-clip scheduler
 
     got = dp_update(model, mode, x, y, variant_bounds(model, mode, 1.0), before_backward=change)
@@ -271,7 +272,7 @@ def test_clip_bound_changed_between_backward_and_step(mode):
     torch.manual_seed(0)
     x, y = _data()
 
-    def change(m, opt):
+    def change(m, opt, gsm):
         opt.max_grad_norm = 0.1
 
     if mode in ("ghost", "bk"):  # they clipped in backward with C=1: refused, not re-noised
@@ -445,3 +446,163 @@ def test_random_models_exact_or_refused(mode, case, c):
     x, y = _data(seed=3)
     outcome = assert_exact_or_refused(model, mode, x, y, c)
     assert outcome == ("refused" if functional else "exact")
+
+
+# --------------------------------------------------------------------------- review findings
+class EyePositions(nn.Module):
+    """A layer on ``torch.eye(T)`` (rows are positions, not samples) added over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, H)
+        self.pos = nn.Linear(T, H)
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, x):  # x [B, T, 4]
+        h = self.inp(x) + self.pos(torch.eye(x.shape[1]))
+        return self.head(torch.tanh(h)).mean(1)
+
+
+class ConstantTypeIds(nn.Module):
+    """Hugging Face's ``token_type_ids = torch.zeros(input_shape)``: B identical rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(7, H)
+        self.typ = nn.Embedding(2, H)
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, ids):
+        types = torch.zeros(ids.shape, dtype=torch.long)
+        return self.head(torch.tanh(self.tok(ids) + self.typ(types))).mean(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("b", [B, T], ids=["B!=T", "B==T"])
+def test_factory_rows_are_not_samples(mode, b):
+    torch.manual_seed(0)
+    x, y = _data(shape=(b, T, 4))
+    assert assert_exact_or_refused(EyePositions(), mode, x, y, 1.0) == "refused"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("b", [B, T], ids=["B!=T", "B==T"])
+def test_constant_rows_are_exact(mode, b):
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 7, (b, T)), torch.randn(b, 3)
+    assert_exact_or_refused(ConstantTypeIds(), mode, ids, y, 0.3, must_work=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_one_sample_first_forward_does_not_switch_the_trace_off(mode):
+    torch.manual_seed(0)
+    x, y = _data(shape=(B, B, 4))  # T == B: only the trace can tell
+    model = RelativeBias()
+
+    def dummy(m, opt, gsm):
+        gsm(torch.zeros(1, B, 4))  # e.g. printing the output shape, in training mode
+
+    with pytest.raises(ValueError, match="do not come from the batch"):
+        dp_update(model, mode, x, y, 1.0, before_backward=dummy)
+
+
+@pytest.mark.parametrize("mode", VARIANTS)
+def test_frozen_between_backward_and_step_is_refused(mode):
+    torch.manual_seed(0)
+    x, y = _data()
+    model = mlp()
+
+    def freeze(m, opt, gsm):
+        m[0].weight.requires_grad_(False)
+
+    with pytest.raises(ValueError, match="frozen"):
+        dp_update(model, mode, x, y, variant_bounds(model, mode, 1.0), between=freeze)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_clip_bound_changed_within_a_logical_batch_is_refused(mode):
+    from dptorch.optimizers import get_optimizer_class
+
+    torch.manual_seed(0)
+    model = mlp()
+    opt = get_optimizer_class("flat", False, mode)(
+        torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=10.0,
+        expected_batch_size=2 * B, loss_reduction="sum",
+    )
+    gsm = wrap_model(model, mode, loss_reduction="sum",
+                     **({"clipping": opt.clipping} if mode in ("ghost", "bk") else {}))
+    crit = (DPLossFastGradientClipping(gsm, opt, nn.MSELoss(reduction="sum"), "sum")
+            if mode == "ghost" else None)
+
+    def physical_step(skip):
+        x, y = _data(seed=int(skip))
+        out = gsm(x)
+        (crit(out, y) if crit else (out - y).pow(2).sum()).backward()
+        opt.signal_skip_step(skip)
+        opt.step()
+        opt.zero_grad()
+
+    physical_step(True)
+    opt.max_grad_norm = 1.0  # a scheduler stepped inside the logical batch
+    with pytest.raises(ValueError, match="within a logical batch"):
+        physical_step(False)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+@pytest.mark.parametrize("how", ["hooks_off_backward", "edit"])
+def test_fast_modes_refuse_p_grad_written_outside_clipping(mode, how):
+    torch.manual_seed(0)
+    x, y = _data()
+
+    def tamper(m, opt, gsm):
+        if how == "edit":
+            with torch.no_grad():
+                m[0].weight.grad += 1.0
+        else:
+            gsm.disable_hooks()
+            (gsm(x) - y).pow(2).sum().backward()
+            gsm.enable_hooks()
+
+    with pytest.raises(ValueError, match="changed after the last clipped backward pass"):
+        dp_update(mlp(), mode, x, y, 1.0, between=tamper)
+
+
+def test_checkpoint_of_another_clipping_kind_is_refused_before_loading(tmp_path):
+    from dptorch import PrivacyEngine
+
+    def engine(clipping):
+        model = mlp()
+        ds = torch.utils.data.TensorDataset(torch.randn(20, 4), torch.randint(0, 3, (20,)))
+        pe = PrivacyEngine(accountant="rdp")
+        m, o, _ = pe.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=torch.utils.data.DataLoader(ds, batch_size=5), noise_multiplier=1.0,
+            max_grad_norm=[1.0] * 4 if clipping == "per_layer" else 0.5, clipping=clipping,
+        )
+        return pe, m, o
+
+    pe, m, o = engine("flat")
+    pe.save_checkpoint(path=tmp_path / "c.pt", module=m, optimizer=o)
+    pe2, m2, o2 = engine("per_layer")
+    before = {k: v.clone() for k, v in m2.state_dict().items()}
+    with pytest.raises(ValueError, match="clipping is flat"):
+        pe2.load_checkpoint(path=tmp_path / "c.pt", module=m2, optimizer=o2)
+    for k, v in m2.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_ghost_empty_batch_with_an_elementwise_loss():
+    """An empty Poisson batch through ghost's wrapper with MSELoss: noise is still released."""
+    from dptorch.optimizers import get_optimizer_class
+
+    model = mlp()
+    opt = get_optimizer_class("flat", False, "ghost")(
+        torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0, max_grad_norm=1.0,
+        expected_batch_size=4, loss_reduction="mean",
+    )
+    gsm = wrap_model(model, "ghost", loss_reduction="mean", clipping=opt.clipping)
+    crit = DPLossFastGradientClipping(gsm, opt, nn.MSELoss(), "mean")
+    before = model[0].weight.detach().clone()
+    crit(gsm(torch.zeros(0, 4)), torch.zeros(0, 3)).backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, before)
