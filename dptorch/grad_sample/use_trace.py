@@ -368,8 +368,8 @@ def check_structure(
 
         handles.append(m.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(m.register_forward_hook(leave, with_kwargs=True))
-    try:
-        with trace, torch.enable_grad():
+    try:  # fork_rng: the extra forward pass draws no random numbers of the training (dropout)
+        with torch.random.fork_rng(), trace, torch.enable_grad():
             model(*args, **kwargs)
     finally:
         for h in handles:
