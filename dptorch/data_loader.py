@@ -233,6 +233,12 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def loader_sampler(data_loader: DataLoader) -> Sampler:
+    """The sampler that orders ``data_loader``'s records: its batch sampler's, else its own."""
+    inner = getattr(data_loader.batch_sampler, "sampler", None)
+    return inner if inner is not None else data_loader.sampler
+
+
 def poisson_sampling_indices(
     data_loader: DataLoader, *, distributed: bool = False
 ) -> torch.Tensor | None:
@@ -275,7 +281,7 @@ def poisson_sampling_indices(
             batch_sampler,
             "a custom batch_sampler chooses the records of each batch",
         )
-    sampler = batch_sampler.sampler if batch_sampler is not None else data_loader.sampler
+    sampler = loader_sampler(data_loader)
     if isinstance(sampler, SubsetRandomSampler):
         return _check_subset(sampler.indices, n)
     if type(sampler) is SequentialSampler:

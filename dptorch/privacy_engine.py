@@ -21,7 +21,7 @@ import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader, IterableDataset, SubsetRandomSampler
 
-from .data_loader import DPDataLoader, poisson_sampling_indices, switch_generator
+from .data_loader import DPDataLoader, loader_sampler, poisson_sampling_indices, switch_generator
 from .grad_sample import AbstractGradSampleModule, GradSampleModule
 from .grad_sample.utils import get_gsm_class, wrap_model
 from .optimizers import DPOptimizer, get_optimizer_class
@@ -294,10 +294,7 @@ class PrivacyEngine:
         if poisson_sampling:
             indices = poisson_sampling_indices(data_loader, distributed=distributed)
             return len(data_loader.dataset) if indices is None else len(indices)
-        batch_sampler = data_loader.batch_sampler
-        sampler = getattr(batch_sampler, "sampler", None)
-        if sampler is None:
-            sampler = data_loader.sampler
+        sampler = loader_sampler(data_loader)
         if isinstance(sampler, SubsetRandomSampler):
             return len(sampler.indices)
         return len(data_loader.dataset)

@@ -30,7 +30,7 @@ from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
 from .hf_adapters import install_adapters
 from .registry import GRAD_SAMPLERS
 from .step_record import PassRecord, StepRecord, register_record, unregister_record
-from .unit_params import sampled_parameters, trainable_units
+from .unit_params import sampled_parameters, trainable_signature, trainable_units
 from .use_trace import UseTrace, tensors_in
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,6 @@ class GradSampleModule(AbstractGradSampleModule):
         self._pending: dict[int, nn.Parameter] = {}
         self._pass: PassRecord | None = None
         self._callback_queued = False
-        self._batch_size: int | None = None
         self._expected_rows: int | None = None
         self._forward: _ForwardBatch | None = None
         self._trace: UseTrace | None = None
@@ -144,10 +143,9 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def forward(self, *args, **kwargs):
         training = self._module.training and torch.is_grad_enabled() and self.hooks_enabled
-        if training and self._trainable_signature != _trainable_signature(self._module):
+        if training and self._trainable_signature != trainable_signature(self._module):
             self._refresh_units()
-        self._batch_size = infer_batch_size(args, kwargs, self.batch_first)
-        self._forward = _ForwardBatch(self._batch_size)
+        self._forward = _ForwardBatch(infer_batch_size(args, kwargs, self.batch_first))
         try:
             if training and self._trace_armed:
                 out = self._traced_forward(args, kwargs)
@@ -156,7 +154,6 @@ class GradSampleModule(AbstractGradSampleModule):
             self._forward.output_rows = output_batch_size(out, self.batch_first)
             return out
         finally:
-            self._batch_size = None
             self._forward = None
 
     # ------------------------------------------------------------------ hooks management
@@ -171,7 +168,7 @@ class GradSampleModule(AbstractGradSampleModule):
         self.batch_first = batch_first
         self.force_functorch = force_functorch
         self._sampled = sampled_parameters(self._module)
-        self._trainable_signature = _trainable_signature(self._module)
+        self._trainable_signature = trainable_signature(self._module)
         self._module_names = {id(m): name or "<root>" for name, m in self._module.named_modules()}
         for module in self.iterate_submodules(self._module):
             handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
@@ -271,7 +268,7 @@ class GradSampleModule(AbstractGradSampleModule):
             id(p): (name, p) for name, p in self._module.named_parameters() if p.requires_grad
         }
         batch_inputs = list(tensors_in((args, kwargs)))
-        bsz = self._batch_size if batch_inputs else None
+        bsz = self._forward.input_rows if batch_inputs else None
         trace = UseTrace(params, self._module_names, batch_inputs, bsz, 0 if self.batch_first else 1)
         pre = [
             m.register_forward_pre_hook(self._trace_enter, with_kwargs=True)
@@ -327,7 +324,7 @@ class GradSampleModule(AbstractGradSampleModule):
         kwargs = dict(kwargs or {})
         new_output = None
         bdim = 0 if module_batch_first(module, self.batch_first) else 1
-        b = self._batch_size
+        b = self._forward.input_rows if self._forward is not None else None
         if b is not None and b > 1 and _batch_dim_is_one(out, bdim):
             if all(_batch_dim_is_one(a, bdim) for a in tensors_in((activations, kwargs), 2)
                    if a.dim() > bdim):
@@ -489,6 +486,15 @@ class GradSampleModule(AbstractGradSampleModule):
         self.record.add_pass(rec)
         return rec
 
+    def _drop_pass(self, pending: list[nn.Parameter]) -> None:
+        """Ends a refused pass: nothing of it is recorded or published."""
+        for p in pending:
+            if hasattr(p, "_current_grad_sample"):
+                del p._current_grad_sample
+        self._callback_queued = False
+        self._pass = None
+        self._expected_rows = None
+
     def _end_of_backward(self) -> None:
         pending, self._pending = list(self._pending.values()), {}
         if self.multi_pass:
@@ -497,10 +503,7 @@ class GradSampleModule(AbstractGradSampleModule):
         if not self.grad_accumulation_allowed and any(
             getattr(p, "grad_sample", None) is not None for p in pending
         ):
-            for p in pending:
-                del p._current_grad_sample
-            self._callback_queued = False
-            self._pass = None
+            self._drop_pass(pending)
             raise ValueError(ACCUMULATION_FORBIDDEN_MESSAGE)
         self._take_pass()
         for p in pending:
@@ -514,10 +517,7 @@ class GradSampleModule(AbstractGradSampleModule):
         pass recorded between ``clip()`` and ``step()`` would be restacked unclipped).
         """
         if self.record.clipped_in_place:
-            for q in pending:
-                del q._current_grad_sample
-            self._callback_queued = False
-            self._pass = None
+            self._drop_pass(pending)
             raise RuntimeError(
                 "A backward pass recorded per-sample gradients after optimizer.clip(): they "
                 "would escape clipping. Run auxiliary passes between clip() and step() with "
@@ -560,10 +560,6 @@ class GradSampleModule(AbstractGradSampleModule):
                 + "\n".join(f"  - {e}" for e in errors)
             )
         return errors
-
-
-def _trainable_signature(module: nn.Module) -> tuple:
-    return tuple(id(p) for p in module.parameters() if p.requires_grad)
 
 
 @dataclass

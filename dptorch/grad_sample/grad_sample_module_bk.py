@@ -37,10 +37,7 @@ from torch import nn
 
 from .conv import _padded_input
 from .grad_sample_module import module_batch_first
-from .grad_sample_module_fast_gradient_clipping import (
-    GradSampleModuleFastGradientClipping,
-    clip_factors,
-)
+from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from .norm_samplers import CLIPPED_SUM_FNS, generic_clipped_sum, prefer_ghost
 from .utils import register_grad_sample_mode
 
@@ -268,7 +265,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             )
         contract = self.clipping
         if contract.per_layer:
-            coef = {id(p): clip_factors(sq.sqrt(), contract.bound_for(p)) for p, sq in norm_sq}
+            coef = {id(p): contract.factors(sq.sqrt(), contract.bound_for(p)) for p, sq in norm_sq}
         else:
             flat = contract.flat_factors(self.per_sample_gradient_norms)
             coef = {id(p): flat for p, _ in norm_sq}

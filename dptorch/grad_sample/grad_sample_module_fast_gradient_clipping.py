@@ -45,11 +45,6 @@ from .utils import register_grad_sample_mode
 logger = logging.getLogger(__name__)
 
 
-def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
-    """``min(1, C / (norm + 1e-6))``, the flat-clipping factor of ``DPOptimizer``."""
-    return ClippingContract.factors(norms, max_grad_norm)
-
-
 def _pad_to(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` zero-padded along dim 0 to ``n`` rows (layers that declare ``max_batch_len``)."""
     if t.shape[0] >= n:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .gsm_base import AbstractGradSampleModule
-from .unit_params import trainable_units, unit_parameters
+from .unit_params import trainable_signature, trainable_units, unit_parameters
 from .use_trace import check_structure
 
 # Trainable layers whose functional form ExpandedWeights cannot differentiate per sample.
@@ -98,7 +98,7 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
                 return self._module(x, *args, **kwargs)
             finally:
                 self._empty_forward = False
-        signature = tuple(id(p) for p in self.trainable_parameters())
+        signature = trainable_signature(self._module)
         if signature != self._checked:
             # once, and again when the trainable parameters change: a layer called on inputs
             # that do not come from the batch (an index of shape [T, T], even with T == B)

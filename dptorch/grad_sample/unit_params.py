@@ -69,3 +69,8 @@ def sampled_parameters(model: nn.Module) -> dict[int, list[tuple[str, nn.Paramet
         if own:
             out[id(m)] = own
     return out
+
+
+def trainable_signature(model: nn.Module) -> tuple[int, ...]:
+    """Ids of ``model``'s trainable parameters: it changes when one is frozen or unfrozen."""
+    return tuple(id(p) for p in model.parameters() if p.requires_grad)

@@ -68,11 +68,6 @@ class _Call:
     inputs: tuple = ()
 
 
-def _only_expanded(inputs: tuple, trace: UseTrace) -> bool:
-    """Whether the call's inputs reach the batch only through expanded tensors or copies."""
-    return not any(id(t) in trace.batched for t in inputs)
-
-
 _CONSTANT_FACTORIES = frozenset(
     ("zeros", "ones", "full", "empty", "new_zeros", "new_ones", "new_full", "new_empty")
 )
@@ -148,7 +143,9 @@ class UseTrace(TorchFunctionMode):
         call = self.calls[cid]
         first = next(tensors_in(output), None)
         if call.batched:  # ops inside the call that the trace cannot see (custom Functions)
-            marks = self.expanded if _only_expanded(call.inputs, self) else self.batched
+            # inputs that reach the batch only through copies or expanded tensors: expanded
+            truly = any(id(t) in self.batched for t in call.inputs)
+            marks = self.batched if truly else self.expanded
             for t in tensors_in(output):
                 if id(t) not in self.batched and id(t) not in self.expanded:
                     marks[id(t)] = t
