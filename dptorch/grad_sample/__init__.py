@@ -1,6 +1,7 @@
-"""Per-sample gradients: GradSampleModule flavours and the per-layer sampler registries."""
+"""Per-sample gradients: GradSampleModule flavours and the per-layer rules (one file per layer)."""
 
-from . import (  # noqa: F401  (registers samplers)
+from . import (  # noqa: F401  (each registers its layer rule)
+    bilinear,
     conv,
     dp_multihead_attention,
     dp_rnn,
@@ -9,7 +10,6 @@ from . import (  # noqa: F401  (registers samplers)
     instance_norm,
     layer_norm,
     linear,
-    norm_samplers,  # noqa: E402,F401,I001  (registers norm samplers)
     rms_norm,
 )
 from .grad_sample_module import GradSampleModule, create_or_accumulate_grad_sample
@@ -20,7 +20,15 @@ from .grad_sample_module_fast_gradient_clipping import (  # noqa: E402
 from .gsm_base import AbstractGradSampleModule
 from .gsm_exp_weights import GradSampleModuleExpandedWeights
 from .gsm_no_op import GradSampleModuleNoOp  # noqa: E402  (registers grad_sample_mode="no_op")
-from .registry import GRAD_SAMPLERS, NORM_SAMPLERS, register_grad_sampler, register_norm_sampler
+from .registry import (
+    GRAD_SAMPLERS,
+    LAYER_RULES,
+    NORM_SAMPLERS,
+    LayerRule,
+    register_grad_sampler,
+    register_layer_rule,
+    register_norm_sampler,
+)
 from .utils import get_gsm_class, prepare_module, register_grad_sample_mode, wrap_model
 
 __all__ = [
@@ -32,6 +40,9 @@ __all__ = [
     "GradSampleModuleBookKeeping",
     "create_or_accumulate_grad_sample",
     "GRAD_SAMPLERS",
+    "LAYER_RULES",
+    "LayerRule",
+    "register_layer_rule",
     "NORM_SAMPLERS",
     "register_grad_sampler",
     "register_norm_sampler",

@@ -6,6 +6,10 @@ its receptive fields (im2col) and each group's weight gradient is one batched ma
 
     cols = unfold(x)                                  # (B, C_in * K, L)
     grad_sample[b] = backprops[b] @ cols[b]^T         # (B, C_out, C_in / groups * K)
+
+The squared norm is each group's ghost (``L × L`` Grams) or instantiated norm, whichever is
+cheaper; the clipped sum is ``aten.convolution_backward`` with the clip-scaled output gradient;
+bk's forward is a convolution whose backward returns the input gradient only.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..utils.tensor_utils import unfold_nd
-from .registry import register_grad_sampler
+from .norm_samplers import ParamDict, ghost_is_cheaper, positions, sq_norms, wants_grad
+from .registry import LayerRule, register_layer_rule
 
 
 def _padded_input(layer: nn.modules.conv._ConvNd, x: torch.Tensor):
@@ -35,7 +40,6 @@ def _padded_input(layer: nn.modules.conv._ConvNd, x: torch.Tensor):
     return F.pad(x, layer._reversed_padding_repeated_twice, mode=layer.padding_mode), 0
 
 
-@register_grad_sampler([nn.Conv1d, nn.Conv2d, nn.Conv3d])
 def compute_conv_grad_sample(
     layer: nn.modules.conv._ConvNd,
     activations: Sequence[torch.Tensor],
@@ -84,3 +88,128 @@ def compute_conv_grad_sample(
     if layer.bias is not None and layer.bias.requires_grad:
         ret[layer.bias] = g.sum(dim=2)
     return ret
+
+
+def compute_conv_norm_sq_sample(
+    layer: nn.modules.conv._ConvNd, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> ParamDict:
+    """Squared per-sample norms of a convolution's gradients.
+
+    Args:
+        activations: ``[x]``, ``x`` of shape ``(B, C_in, *spatial_in)``.
+        backprops: ``(B, C_out, *spatial_out)``.
+
+    The input is unfolded to ``(B, groups, C_in/groups · K, L)``; each group is a linear map used
+    at ``L`` positions (ghost via ``L × L`` Grams, or instantiated, per :func:`ghost_is_cheaper`).
+    """
+    b = backprops.shape[0]
+    groups = layer.groups
+    n_out = positions(backprops, 2, 0)
+    g = backprops.reshape(b, groups, layer.out_channels // groups, n_out)  # (B, G, o, L)
+    ret: ParamDict = {}
+    if wants_grad(layer.weight):
+        x, padding = _padded_input(layer, activations[0])
+        cols = unfold_nd(
+            x, layer.kernel_size, padding=padding, stride=layer.stride, dilation=layer.dilation
+        )
+        cols = cols.reshape(b, groups, cols.shape[1] // groups, n_out)  # (B, G, i, L)
+        t, d_in, d_out = cols.shape[-1], cols.shape[2], g.shape[2]
+        if ghost_is_cheaper(t, d_in, d_out):
+            aa = torch.matmul(cols.transpose(2, 3), cols)  # (B, G, L, L)
+            gg = torch.matmul(g.transpose(2, 3), g)
+            ret[layer.weight] = (aa * gg).sum((1, 2, 3))
+        else:
+            ret[layer.weight] = sq_norms(torch.matmul(g, cols.transpose(2, 3)))
+    if wants_grad(layer.bias):
+        ret[layer.bias] = g.sum(3).pow(2).sum((1, 2))
+    return ret
+
+
+def conv_clipped_sum(
+    layer: nn.modules.conv._ConvNd, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> ParamDict:
+    """The convolution's batch weight/bias gradient from ``aten.convolution_backward``."""
+    x, padding = _padded_input(layer, activations[0])
+    n = len(layer.kernel_size)
+    padding = [padding] * n if isinstance(padding, int) else list(padding)
+    want_w, want_b = wants_grad(layer.weight), wants_grad(layer.bias)
+    _, gw, gb = torch.ops.aten.convolution_backward(
+        backprops,
+        x,
+        layer.weight,
+        [layer.out_channels] if layer.bias is not None else None,
+        list(layer.stride),
+        padding,
+        list(layer.dilation),
+        False,
+        [0] * n,
+        layer.groups,
+        [False, want_w, want_b],
+    )
+    ret: ParamDict = {}
+    if want_w:
+        ret[layer.weight] = gw
+    if want_b:
+        ret[layer.bias] = gb
+    return ret
+
+class _ConvInputGradOnly(torch.autograd.Function):
+    """A zero-padded convolution whose backward returns only the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
+        ctx.save_for_backward(x, weight)
+        ctx.conf = (stride, padding, dilation, groups)
+        n = weight.dim() - 2
+        conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
+        return conv(x, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conf
+        n = weight.dim() - 2
+        gx, _, _ = torch.ops.aten.convolution_backward(
+            g, x, weight, None, list(stride), list(padding), list(dilation), False, [0] * n,
+            groups, [True, False, False],
+        )
+        return gx, None, None, None, None, None, None
+
+
+def conv_input_grad_only(layer: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, with autograd computing ``∂L/∂x`` only (no weight or bias gradient)."""
+    x, padding = _padded_input(layer, x)
+    n = len(layer.kernel_size)
+    padding = (padding,) * n if isinstance(padding, int) else tuple(padding)
+    return _ConvInputGradOnly.apply(
+        x, layer.weight, layer.bias, layer.stride, padding, layer.dilation, layer.groups
+    )
+
+
+def conv_prefers_ghost(
+    layer: nn.modules.conv._ConvNd, activations: Sequence, backprops: torch.Tensor
+) -> bool:
+    """Ghost beats instantiation when ``L(d_in + d_out) < d_in·d_out`` for ``L`` output positions,
+    ``d_in = C_in / groups · K`` and ``d_out = C_out / groups``."""
+    k = 1
+    for s in layer.kernel_size:
+        k *= s
+    return ghost_is_cheaper(
+        positions(backprops, 2, 0),
+        layer.in_channels // layer.groups * k,
+        layer.out_channels // layer.groups,
+    )
+
+
+CONV_RULE = register_layer_rule(
+    [nn.Conv1d, nn.Conv2d, nn.Conv3d],
+    LayerRule(
+        grad_sample=compute_conv_grad_sample,
+        norm_sq=compute_conv_norm_sq_sample,
+        clipped_sum=conv_clipped_sum,
+        input_grad_only=conv_input_grad_only,
+        prefer_ghost=conv_prefers_ghost,
+    ),
+)

@@ -1,4 +1,4 @@
-"""Grad sampler of :class:`dptorch.layers.dp_multihead_attention.SequenceBias`."""
+"""Rule of :class:`dptorch.layers.dp_multihead_attention.SequenceBias`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from ..layers.dp_multihead_attention import SequenceBias
-from .registry import register_grad_sampler
+from .norm_samplers import instantiated_norm_sq
+from .registry import LayerRule, register_layer_rule
 
 
-@register_grad_sampler(SequenceBias)
 def compute_sequence_bias_grad_sample(
     layer: SequenceBias, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -20,3 +20,17 @@ def compute_sequence_bias_grad_sample(
     if not layer.bias.requires_grad:
         return {}
     return {layer.bias: backprops[:, -1]}
+
+
+SEQUENCE_BIAS_RULE = register_layer_rule(
+    SequenceBias,
+    LayerRule(
+        grad_sample=compute_sequence_bias_grad_sample,
+        norm_sq=instantiated_norm_sq(compute_sequence_bias_grad_sample),
+        generic={
+            "clipped_sum": "recomputing the concatenation and one vector-Jacobian product is cheap",
+            "input_grad_only": "autograd's bias gradient is zeroed by a tensor hook",
+            "prefer_ghost": "the (B, E) per-sample gradient is the cheapest exact norm",
+        },
+    ),
+)

@@ -4,6 +4,11 @@ Both reduce to one ``index_add`` into the ``(B, V, d)`` result: every looked-up 
 sample (or bag) ``b`` adds ``coef * backprops[b]`` to row ``(b, i)``, so an index used several
 times counts with its multiplicity. No other ``O(B * V * d)`` buffer is allocated. As in
 PyTorch's own gradient, the ``padding_idx`` row gets a zero per-sample gradient.
+
+The squared norms never build the ``(B, V, d)`` gradient: equal ``(sample, index)`` pairs are
+summed first, ``O(B·S·d)``. Embedding's clipped sum is one ``index_add`` of the clip-scaled
+output gradients, and bk's forward computes no gradient at all (indices have none). The ghost
+path is always preferred.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .registry import register_grad_sampler
+from .norm_samplers import ParamDict, positions, sample_norms, wants_grad
+from .registry import LayerRule, register_layer_rule
 
 
 def _scatter_rows(
@@ -48,7 +55,6 @@ def _scatter_rows(
     return out.view(batch_size, num_embeddings, d)
 
 
-@register_grad_sampler(nn.Embedding)
 def compute_embedding_grad_sample(
     layer: nn.Embedding, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -111,7 +117,6 @@ def _bags(
     return ids, bag_of, n_bags
 
 
-@register_grad_sampler(nn.EmbeddingBag)
 def compute_embeddingbag_grad_sample(
     layer: nn.EmbeddingBag, activations: Sequence, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -183,7 +188,155 @@ def compute_embedding_norm_sample(
     layer: nn.Embedding, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradient norms (not squared) of ``nn.Embedding``, ``{weight: (B,)}`` (Opacus
-    API); computed by the norm sampler of :mod:`dptorch.grad_sample.norm_samplers`."""
-    from .norm_samplers import compute_embedding_norm_sq_sample, sample_norms
-
+    API)."""
     return sample_norms(compute_embedding_norm_sq_sample(layer, activations, backprops))
+
+
+def _grouped_row_sums(
+    sample_of: torch.Tensor,
+    ids: torch.Tensor,
+    values: torch.Tensor,
+    num_embeddings: int,
+    scale_grad_by_freq: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums ``values`` over equal ``(sample, id)`` pairs without a ``V``-sized buffer.
+
+    Returns ``(row_sums (U, d), sample_of_row (U,))`` over the ``U`` distinct pairs; with
+    ``scale_grad_by_freq`` each row is divided by its number of entries (per-sample frequency,
+    the convention of the Embedding grad sampler)."""
+    keys = sample_of * num_embeddings + ids
+    uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    rows = values.new_zeros((uniq.numel(), values.shape[-1])).index_add_(0, inverse, values)
+    if scale_grad_by_freq:
+        rows = rows / counts.to(rows.dtype)[:, None]
+    return rows, torch.div(uniq, num_embeddings, rounding_mode="floor")
+
+
+def _embedding_entries(layer: nn.Embedding, ids: torch.Tensor, backprops: torch.Tensor):
+    """``(sample_of, ids, values)`` of every non-padding lookup, flattened."""
+    b = backprops.shape[0]
+    ids = ids.reshape(b, positions(ids, 1, 0))
+    sample_of = torch.arange(b, device=ids.device).repeat_interleave(ids.shape[1])
+    ids = ids.reshape(-1)
+    values = backprops.reshape(-1, layer.embedding_dim)
+    if layer.padding_idx is not None:
+        keep = ids != layer.padding_idx
+        sample_of, ids, values = sample_of[keep], ids[keep], values[keep]
+    return sample_of, ids, values
+
+
+def compute_embedding_norm_sq_sample(
+    layer: nn.Embedding, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> ParamDict:
+    """Squared per-sample norms of ``nn.Embedding`` gradients, ``O(B·S·d)``.
+
+    Args:
+        activations: ``[ids]`` with ``ids`` of shape ``(B, *S)``.
+        backprops: ``(B, *S, d)``.
+
+    Equal indices within a sample are summed first (``||Σ_t e_{i_t} g_tᵀ||² = Σ_v ||Σ_{t: i_t=v}
+    g_t||²``); the ``padding_idx`` row is left out, as in the gradient."""
+    if not wants_grad(layer.weight):
+        return {}
+    b = backprops.shape[0]
+    sample_of, ids, values = _embedding_entries(layer, activations[0], backprops)
+    rows, row_sample = _grouped_row_sums(
+        sample_of, ids, values, layer.num_embeddings, layer.scale_grad_by_freq
+    )
+    out = backprops.new_zeros(b).index_add_(0, row_sample, rows.pow(2).sum(1))
+    return {layer.weight: out}
+
+
+def embedding_clipped_sum(
+    layer: nn.Embedding, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> ParamDict:
+    """``Σ_b grad_b``: one ``index_add`` of the (clip-scaled) output gradients into ``(V, d)``."""
+    if not wants_grad(layer.weight):
+        return {}
+    sample_of, ids, values = _embedding_entries(layer, activations[0], backprops)
+    if layer.scale_grad_by_freq:
+        keys = sample_of * layer.num_embeddings + ids
+        _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        values = values / counts.to(values.dtype)[inverse][:, None]
+    grad = values.new_zeros(layer.weight.shape).index_add_(0, ids, values)
+    return {layer.weight: grad}
+
+
+def compute_embeddingbag_norm_sq_sample(
+    layer: nn.EmbeddingBag, activations: Sequence, backprops: torch.Tensor
+) -> ParamDict:
+    """Squared per-bag norms of ``nn.EmbeddingBag`` (modes ``"sum"``/``"mean"``) gradients,
+    without the ``(B, V, d)`` per-sample gradient. Inputs as for the EmbeddingBag grad sampler."""
+    if not wants_grad(layer.weight):
+        return {}
+    if layer.mode not in ("sum", "mean"):
+        raise NotImplementedError(
+            f"EmbeddingBag(mode={layer.mode!r}) has no per-sample gradient; use 'sum' or 'mean'."
+        )
+    args = list(activations) + [None] * (3 - len(activations))
+    ids, offsets, weights = args[:3]
+    flat_ids, bag_of, n_bags = _bags(ids, offsets, layer.include_last_offset)
+    b = backprops.shape[0]
+    coef = backprops.new_ones(flat_ids.shape)
+    if layer.padding_idx is not None:
+        coef = (flat_ids != layer.padding_idx).to(backprops.dtype)
+    if layer.mode == "mean":
+        counts = backprops.new_zeros(b).index_add_(0, bag_of, coef)
+        coef = coef / counts.clamp_min(1)[bag_of]
+    elif weights is not None:
+        if ids.dim() == 1 and layer.include_last_offset:
+            weights = weights.reshape(-1)[: flat_ids.numel()]
+        coef = coef * weights.reshape(-1).to(coef.dtype)
+    rows, row_bag = _grouped_row_sums(
+        bag_of, flat_ids, coef[:, None] * backprops[bag_of], layer.num_embeddings,
+        layer.scale_grad_by_freq,
+    )
+    out = backprops.new_zeros(b).index_add_(0, row_bag, rows.pow(2).sum(1))
+    return {layer.weight: out}
+
+class _EmbeddingNoGrad(torch.autograd.Function):
+    """``F.embedding`` whose backward computes nothing (indices have no gradient)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
+        return F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None,) * 7
+
+
+def embedding_input_grad_only(layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """``layer(ids)`` with no gradient for the weight (the indices have none either)."""
+    return _EmbeddingNoGrad.apply(
+        ids, layer.weight, layer.padding_idx, layer.max_norm, layer.norm_type,
+        layer.scale_grad_by_freq, layer.sparse,
+    )
+
+
+def _always(layer: nn.Module, activations: Sequence, backprops: torch.Tensor) -> bool:
+    return True
+
+
+EMBEDDING_RULE = register_layer_rule(
+    nn.Embedding,
+    LayerRule(
+        grad_sample=compute_embedding_grad_sample,
+        norm_sq=compute_embedding_norm_sq_sample,
+        clipped_sum=embedding_clipped_sum,
+        input_grad_only=embedding_input_grad_only,
+        prefer_ghost=_always,
+    ),
+)
+EMBEDDING_BAG_RULE = register_layer_rule(
+    nn.EmbeddingBag,
+    LayerRule(
+        grad_sample=compute_embeddingbag_grad_sample,
+        norm_sq=compute_embeddingbag_norm_sq_sample,
+        prefer_ghost=_always,
+        generic={
+            "clipped_sum": "recomputing the bag sum and one vector-Jacobian product is as cheap",
+            "input_grad_only": "autograd's weight gradient is zeroed by a tensor hook",
+        },
+    ),
+)

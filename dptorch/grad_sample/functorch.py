@@ -113,8 +113,6 @@ def prepare_layer(layer: nn.Module, batch_first: bool = True) -> None:
     ``params``, the layer's input ``activations`` and its output gradient ``backprops``, both
     batch first. ``batch_first`` is the layout the layer itself is called with (a layer may fix
     its own with ``grad_sample_batch_first``, as ``GradSampleModule`` does)."""
-    from .grad_sample_module import module_batch_first
-
     names = [n for n, _ in layer.named_parameters()]
     bf = module_batch_first(layer, batch_first)
 
@@ -122,3 +120,15 @@ def prepare_layer(layer: nn.Module, batch_first: bool = True) -> None:
         return _vmap_grad(layer, names, tuple(params), [activations], backprops, {}, bf)
 
     layer.ft_compute_sample_grad = ft_compute_sample_grad
+
+
+def module_batch_first(module: nn.Module, batch_first: bool) -> bool:
+    """Whether ``module``'s inputs/outputs have the batch in dimension 0.
+
+    A layer may fix its own layout with an attribute ``grad_sample_batch_first`` (``True``: always
+    batch first, ``False``: always ``(T, B, ...)``), e.g. ``dptorch.layers.dp_rnn.RNNLinear``,
+    whose calls are batch first whatever the ``batch_first`` of the ``GradSampleModule``; without
+    it (or with ``None``) the module follows ``batch_first``.
+    """
+    own = getattr(module, "grad_sample_batch_first", None)
+    return batch_first if own is None else bool(own)

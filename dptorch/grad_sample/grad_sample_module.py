@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from .functorch import ft_compute_per_sample_gradient
+from .functorch import ft_compute_per_sample_gradient, module_batch_first
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
 from .hf_adapters import install_adapters
 from .registry import GRAD_SAMPLERS
@@ -720,18 +720,6 @@ def _kwargs_to_positional(module: nn.Module, args: list, kwargs: dict) -> tuple[
         return args, kwargs
     bound.apply_defaults()
     return list(bound.args), dict(bound.kwargs)
-
-
-def module_batch_first(module: nn.Module, batch_first: bool) -> bool:
-    """Whether ``module``'s inputs/outputs have the batch in dimension 0.
-
-    A layer may fix its own layout with an attribute ``grad_sample_batch_first`` (``True``: always
-    batch first, ``False``: always ``(T, B, ...)``), e.g. ``dptorch.layers.dp_rnn.RNNLinear``,
-    whose calls are batch first whatever the ``batch_first`` of the ``GradSampleModule``; without
-    it (or with ``None``) the module follows ``batch_first``.
-    """
-    own = getattr(module, "grad_sample_batch_first", None)
-    return batch_first if own is None else bool(own)
 
 
 def _first_tensor(x):

@@ -28,110 +28,20 @@ factors are applied parameter by parameter.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .conv import _padded_input
-from .grad_sample_module import module_batch_first
+from .functorch import module_batch_first
 from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from .norm_samplers import CLIPPED_SUM_FNS, generic_clipped_sum, prefer_ghost
+from .norm_samplers import generic_clipped_sum
+from .registry import input_grad_only_forward, prefer_ghost, rule_for
 from .utils import register_grad_sample_mode
 
 logger = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- no-weight-grad ops
-class _LinearInputGradOnly(torch.autograd.Function):
-    """``F.linear(x, w, b)`` whose backward returns only ``∂L/∂x = G w``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, g):
-        (weight,) = ctx.saved_tensors
-        gx = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[0] else None
-        return gx, None, None
-
-
-class _ConvInputGradOnly(torch.autograd.Function):
-    """A zero-padded convolution whose backward returns only the input gradient."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
-        ctx.save_for_backward(x, weight)
-        ctx.conf = (stride, padding, dilation, groups)
-        n = weight.dim() - 2
-        conv = (F.conv1d, F.conv2d, F.conv3d)[n - 1]
-        return conv(x, weight, bias, stride, padding, dilation, groups)
-
-    @staticmethod
-    def backward(ctx, g):
-        if not ctx.needs_input_grad[0]:
-            return (None,) * 7
-        x, weight = ctx.saved_tensors
-        stride, padding, dilation, groups = ctx.conf
-        n = weight.dim() - 2
-        gx, _, _ = torch.ops.aten.convolution_backward(
-            g, x, weight, None, list(stride), list(padding), list(dilation), False, [0] * n,
-            groups, [True, False, False],
-        )
-        return gx, None, None, None, None, None, None
-
-
-class _EmbeddingNoGrad(torch.autograd.Function):
-    """``F.embedding`` whose backward computes nothing (indices have no gradient)."""
-
-    @staticmethod
-    def forward(ctx, ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse):
-        return F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
-
-    @staticmethod
-    def backward(ctx, g):
-        return (None,) * 7
-
-
-def _linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _LinearInputGradOnly.apply(x, layer.weight, layer.bias)
-
-
-def _conv_forward(layer: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
-    x, padding = _padded_input(layer, x)
-    n = len(layer.kernel_size)
-    padding = (padding,) * n if isinstance(padding, int) else tuple(padding)
-    return _ConvInputGradOnly.apply(
-        x, layer.weight, layer.bias, layer.stride, padding, layer.dilation, layer.groups
-    )
-
-
-def _embedding_forward(layer: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    return _EmbeddingNoGrad.apply(
-        ids, layer.weight, layer.padding_idx, layer.max_norm, layer.norm_type,
-        layer.scale_grad_by_freq, layer.sparse,
-    )
-
-
-#: base type -> forward without weight gradients (used for subclasses keeping the base forward)
-_NO_WEIGHT_GRAD_FORWARDS = {
-    nn.Linear: _linear_forward,
-    nn.Conv1d: _conv_forward,
-    nn.Conv2d: _conv_forward,
-    nn.Conv3d: _conv_forward,
-    nn.Embedding: _embedding_forward,
-}
-
-
-def _no_weight_grad_forward(module: nn.Module):
-    for base, fn in _NO_WEIGHT_GRAD_FORWARDS.items():
-        if isinstance(module, base) and type(module).forward is base.forward:
-            return fn
-    return None
 
 
 # ----------------------------------------------------------------------------- the module
@@ -167,9 +77,12 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     def _install_bk(self) -> None:
         for module in self.iterate_submodules(self._module):
             params = self.sampled_params(module)
-            fn = _no_weight_grad_forward(module)
+            fn = input_grad_only_forward(module)
             if fn is not None:
-                module.forward = partial(self._bk_forward, module, fn, type(module).forward)
+                n_inputs = len(inspect.signature(fn).parameters) - 1
+                module.forward = partial(
+                    self._bk_forward, module, fn, n_inputs, type(module).forward
+                )
                 self._bk_overridden.append(module)
                 self._no_autograd |= {id(p) for p in params}
             for p in params:
@@ -197,9 +110,12 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     def _active(self) -> bool:
         return self.hooks_enabled and self.backward_hooks_enabled and not self._in_functorch
 
-    def _bk_forward(self, module, fn, original, *args, **kwargs):
+    def _bk_forward(self, module, fn, n_inputs, original, *args, **kwargs):
+        """``module``'s forward through its rule's input-gradient-only ``fn`` when called with
+        exactly the ``n_inputs`` positional inputs ``fn`` takes; otherwise the original forward,
+        whose parameter gradients the tensor hooks then zero (the layer is marked fallback)."""
         if self._active() and self.forward_hooks_enabled and module.training and torch.is_grad_enabled():
-            if not kwargs and len(args) == 1:
+            if not kwargs and len(args) == n_inputs:
                 return fn(module, *args)
             self._fallback |= {id(p) for p in self.sampled_params(module)}
         return original(module, *args, **kwargs)
@@ -305,7 +221,8 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             else:
                 groups.append((c, [p]))
         out = {}
-        fn = CLIPPED_SUM_FNS.get(type(module))
+        rule = rule_for(module)
+        fn = rule.clipped_sum if rule is not None else None
         for c, ps in groups:
             c = c[: backprops.shape[0]].to(backprops.dtype)
             scaled = backprops * c.view(-1, *([1] * (backprops.dim() - 1)))
@@ -325,11 +242,6 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 if p in res:
                     out[p] = res[p]
         return out
-
-    @property
-    def total_max_grad_norm(self) -> float:
-        """The sensitivity of the clipped sum: ``C``, or ``sqrt(Σ C_i²)`` per layer."""
-        return self.clipping.max_grad_norm
 
 
 register_grad_sample_mode("bk", GradSampleModuleBookKeeping)

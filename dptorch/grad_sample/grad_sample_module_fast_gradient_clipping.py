@@ -38,7 +38,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from ..clipping import ClippingContract
 from .grad_sample_module import GradSampleModule
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
-from .registry import NORM_SAMPLERS
+from .registry import rule_for
 from .step_record import PassRecord, grad_state
 from .utils import register_grad_sample_mode
 
@@ -192,7 +192,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         (instantiation, summed over calls) to the pass's state."""
         if self._use_norm_sampler(module, activations, backprops):
             ids = {id(p) for p in self.sampled_params(module)}
-            for p, sq in NORM_SAMPLERS[type(module)](module, activations, backprops).items():
+            for p, sq in rule_for(module).norm_sq(module, activations, backprops).items():
                 if id(p) in ids:
                     self._add_norm_sq(p, _pad_to(sq, max_batch_len))
                     self._pass.covered.add(id(p))
@@ -208,7 +208,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         return (
             self.use_ghost_clipping
             and not self.force_functorch
-            and type(module) in NORM_SAMPLERS
+            and getattr(rule_for(module), "norm_sq", None) is not None
             and self._single_call(module)
         )
 

@@ -1,4 +1,5 @@
-"""Per-sample gradients of ``nn.GroupNorm``."""
+"""``nn.GroupNorm`` in every mode: its per-sample gradient, whose squared norm is taken from the
+(small) instantiated gradient; the other modes use the generic paths."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import register_grad_sampler
+from .norm_samplers import instantiated_norm_sq
+from .registry import LayerRule, register_layer_rule
 
 
 def per_channel_affine_grad_sample(
@@ -40,7 +42,6 @@ def per_channel_affine_grad_sample(
     return ret
 
 
-@register_grad_sampler(nn.GroupNorm)
 def compute_group_norm_grad_sample(
     layer: nn.GroupNorm, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -56,3 +57,17 @@ def compute_group_norm_grad_sample(
     return per_channel_affine_grad_sample(
         layer, lambda: F.group_norm(activations[0], layer.num_groups, eps=layer.eps), backprops
     )
+
+
+GROUP_NORM_RULE = register_layer_rule(
+    nn.GroupNorm,
+    LayerRule(
+        grad_sample=compute_group_norm_grad_sample,
+        norm_sq=instantiated_norm_sq(compute_group_norm_grad_sample),
+        generic={
+            "clipped_sum": "recomputing the affine map and one vector-Jacobian product is cheap",
+            "input_grad_only": "autograd's weight gradient is zeroed by a tensor hook",
+            "prefer_ghost": "the (B, C) per-sample gradient is the cheapest exact norm",
+        },
+    ),
+)

@@ -1,4 +1,5 @@
-"""Per-sample gradients of ``nn.InstanceNorm1d`` / ``2d`` / ``3d`` with ``affine=True``."""
+"""``nn.InstanceNorm1d`` / ``2d`` / ``3d`` with ``affine=True`` in every mode: its per-sample gradient, whose squared norm is taken from the
+(small) instantiated gradient; the other modes use the generic paths."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .group_norm import per_channel_affine_grad_sample
-from .registry import register_grad_sampler
+from .norm_samplers import instantiated_norm_sq
+from .registry import LayerRule, register_layer_rule
 
 
-@register_grad_sampler([nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d])
 def compute_instance_norm_grad_sample(
     layer: nn.modules.instancenorm._InstanceNorm,
     activations: Sequence[torch.Tensor],
@@ -41,3 +42,17 @@ def compute_instance_norm_grad_sample(
     return per_channel_affine_grad_sample(
         layer, lambda: F.instance_norm(x, eps=layer.eps), backprops
     )
+
+
+INSTANCE_NORM_RULE = register_layer_rule(
+    [nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d],
+    LayerRule(
+        grad_sample=compute_instance_norm_grad_sample,
+        norm_sq=instantiated_norm_sq(compute_instance_norm_grad_sample),
+        generic={
+            "clipped_sum": "recomputing the affine map and one vector-Jacobian product is cheap",
+            "input_grad_only": "autograd's weight gradient is zeroed by a tensor hook",
+            "prefer_ghost": "the (B, C) per-sample gradient is the cheapest exact norm",
+        },
+    ),
+)

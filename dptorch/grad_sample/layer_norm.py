@@ -1,4 +1,5 @@
-"""Per-sample gradients of ``nn.LayerNorm``."""
+"""``nn.LayerNorm`` in every mode: its per-sample gradient, whose squared norm is taken from the
+(small) instantiated gradient; the other modes use the generic paths."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..utils.tensor_utils import sum_over_all_but_batch_and_last_n_dims
-from .registry import register_grad_sampler
+from .norm_samplers import instantiated_norm_sq
+from .registry import LayerRule, register_layer_rule
 
 
 def elementwise_affine_grad_sample(
@@ -39,7 +41,6 @@ def elementwise_affine_grad_sample(
     return ret
 
 
-@register_grad_sampler(nn.LayerNorm)
 def compute_layer_norm_grad_sample(
     layer: nn.LayerNorm, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -60,3 +61,17 @@ def compute_layer_norm_grad_sample(
         backprops,
         len(layer.normalized_shape),
     )
+
+
+LAYER_NORM_RULE = register_layer_rule(
+    nn.LayerNorm,
+    LayerRule(
+        grad_sample=compute_layer_norm_grad_sample,
+        norm_sq=instantiated_norm_sq(compute_layer_norm_grad_sample),
+        generic={
+            "clipped_sum": "recomputing the affine map and one vector-Jacobian product is cheap",
+            "input_grad_only": "autograd's weight gradient is zeroed by a tensor hook",
+            "prefer_ghost": "the (B, C) per-sample gradient is the cheapest exact norm",
+        },
+    ),
+)

@@ -1,19 +1,33 @@
-"""Per-sample gradients of ``nn.Linear`` for inputs of any rank ``(B, ..., d_in)``."""
+"""``nn.Linear`` in every mode, for inputs of any rank ``(B, ..., d_in)``.
+
+* per-sample gradient: ``weight[b] = Σ_t g_{bt} a_{bt}ᵀ``, ``bias[b] = Σ_t g_{bt}``;
+* squared norm: ghost (two ``T × T`` Gram matrices) or instantiated, whichever is cheaper;
+* clipped sum: ``Σ_{b,t} g_{bt} a_{bt}ᵀ`` (one matmul) with the clip-scaled ``g``;
+* bk forward: ``F.linear`` whose backward returns the input gradient only.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .registry import register_grad_sampler
+from .norm_samplers import (
+    ParamDict,
+    ghost_is_cheaper,
+    positions,
+    sample_norms,
+    sq_norms,
+    wants_grad,
+)
+from .registry import LayerRule, register_layer_rule
 
 
-@register_grad_sampler(nn.Linear)
 def compute_linear_grad_sample(
     layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
-) -> dict[nn.Parameter, torch.Tensor]:
+) -> ParamDict:
     """``weight``: ``sum_t g[b,t,:]^T a[b,t,:]`` -> ``(B, d_out, d_in)``; ``bias``: ``sum_t g[b,t,:]``."""
     a = activations[0]
     ret = {}
@@ -28,11 +42,91 @@ def compute_linear_grad_sample(
     return ret
 
 
+def _gram_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` per sample for ``a: (B, T, d_in)``, ``g: (B, T, d_out)``."""
+    if a.shape[1] == 1:
+        return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
+    aa = torch.bmm(a, a.transpose(1, 2))
+    gg = torch.bmm(g, g.transpose(1, 2))
+    return (aa * gg).sum((1, 2))
+
+
+def compute_linear_norm_sq_sample(
+    layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> ParamDict:
+    """Squared per-sample norms of ``nn.Linear`` gradients for an input ``(B, ..., d_in)``.
+
+    ``weight``: ghost (Gram) or instantiated, as :func:`ghost_is_cheaper` says; ``bias``:
+    ``||Σ_t g_t||²``. Returns ``{param: (B,)}``."""
+    a = activations[0]
+    b = backprops.shape[0]
+    t = positions(a)
+    a3 = a.reshape(b, t, a.shape[-1])
+    g3 = backprops.reshape(b, t, backprops.shape[-1])
+    ret: ParamDict = {}
+    if wants_grad(layer.weight):
+        if ghost_is_cheaper(a3.shape[1], a3.shape[2], g3.shape[2]):
+            ret[layer.weight] = _gram_norms(a3, g3)
+        else:
+            ret[layer.weight] = sq_norms(torch.bmm(g3.transpose(1, 2), a3))
+    if wants_grad(layer.bias):
+        ret[layer.bias] = g3.sum(1).pow(2).sum(1)
+    return ret
+
+
 def compute_linear_norm_sample(
     layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
-) -> dict[nn.Parameter, torch.Tensor]:
-    """Per-sample gradient norms (not squared) of ``nn.Linear``, ``{param: (B,)}`` (Opacus
-    API); computed by the ghost-norm sampler of :mod:`dptorch.grad_sample.norm_samplers`."""
-    from .norm_samplers import compute_linear_norm_sq_sample, sample_norms
-
+) -> ParamDict:
+    """Per-sample gradient norms (not squared) of ``nn.Linear``, ``{param: (B,)}`` (Opacus API)."""
     return sample_norms(compute_linear_norm_sq_sample(layer, activations, backprops))
+
+
+def linear_clipped_sum(
+    layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> ParamDict:
+    """``weight``: ``Σ_{b,t} g_{bt} a_{bt}ᵀ`` (one matmul); ``bias``: ``Σ_{b,t} g_{bt}``."""
+    a = activations[0].reshape(-1, layer.in_features)
+    g = backprops.reshape(-1, layer.out_features)
+    ret: ParamDict = {}
+    if wants_grad(layer.weight):
+        ret[layer.weight] = g.t().mm(a)
+    if wants_grad(layer.bias):
+        ret[layer.bias] = g.sum(0)
+    return ret
+
+
+class _LinearInputGradOnly(torch.autograd.Function):
+    """``F.linear(x, w, b)`` whose backward returns only ``∂L/∂x = G w``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        (weight,) = ctx.saved_tensors
+        gx = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[0] else None
+        return gx, None, None
+
+
+def linear_input_grad_only(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, with autograd computing ``∂L/∂x`` only (no weight or bias gradient)."""
+    return _LinearInputGradOnly.apply(x, layer.weight, layer.bias)
+
+
+def linear_prefers_ghost(layer: nn.Linear, activations: Sequence, backprops: torch.Tensor) -> bool:
+    """Ghost beats instantiation for ``T`` positions when ``T(d_in + d_out) < d_in·d_out``."""
+    return ghost_is_cheaper(positions(activations[0]), layer.in_features, layer.out_features)
+
+
+LINEAR_RULE = register_layer_rule(
+    nn.Linear,
+    LayerRule(
+        grad_sample=compute_linear_grad_sample,
+        norm_sq=compute_linear_norm_sq_sample,
+        clipped_sum=linear_clipped_sum,
+        input_grad_only=linear_input_grad_only,
+        prefer_ghost=linear_prefers_ghost,
+    ),
+)

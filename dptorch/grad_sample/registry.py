@@ -1,69 +1,197 @@
-"""Registries of per-layer per-sample-gradient and per-sample-norm functions.
+"""Layer rules: everything a mode needs to know about one layer type, in one place.
 
-A *grad sampler* is ``fn(layer, activations, backprops) -> {param: grad_sample}`` where
-``activations`` is the list of the layer's positional forward inputs (batch dimension first),
-``backprops`` is the gradient of the loss with respect to the layer's output (batch first, already
-rescaled for ``loss_reduction``), and each returned tensor has shape ``(B, *param.shape)``.
+A :class:`LayerRule` is plain data: the functions the modes call for a layer type. All take
+``(layer, activations, backprops)`` where ``activations`` is the list of the layer's positional
+forward inputs (batch dimension first) and ``backprops`` the gradient of the loss with respect to
+the layer's output (batch first, already rescaled for ``loss_reduction``):
 
-A *norm sampler* has the same signature and returns per-sample gradient norms ``{param: (B,)}``
-(``register_norm_sampler``, Opacus's convention); ``NORM_SAMPLERS`` stores them squared
-(``register_norm_sq_sampler``). Fast (ghost/bk) clipping uses them to avoid materialising
-per-sample gradients.
+=========================  =======================================  ==========================
+field                      returns                                  used by
+=========================  =======================================  ==========================
+``grad_sample``            ``{param: (B, *param.shape)}``           hooks (and ghost/bk when
+                                                                    instantiation is cheaper)
+``norm_sq``                ``{param: (B,)}`` squared norms          ghost, bk
+``clipped_sum``            ``{param: Σ_b grad_b}``; called with      bk
+                           ``c_b·backprops[b]`` it is the clipped
+                           sum for one weight-gradient's cost
+``input_grad_only``        ``forward(layer, *inputs)`` whose         bk (autograd must not also
+                           autograd computes input gradients only    compute weight gradients)
+``prefer_ghost``           whether the norm (Gram) path beats        ghost, bk cost model
+                           instantiating the per-sample gradient
+=========================  =======================================  ==========================
+
+A field left ``None`` means the mode's generic path (``torch.func`` per-sample gradients,
+norms of the instantiated gradient, a recomputed forward + one vector-Jacobian product for the
+clipped sum, zeroing the weight gradient by a tensor hook, never ghost); a built-in rule names
+each field it leaves to the generic path in ``generic`` with the reason, and a test checks that
+every built-in rule is complete in that sense.
+
+One file per layer type (``linear.py``, ``conv.py`` ...) defines its functions and registers
+one rule with :func:`register_layer_rule`. ``GRAD_SAMPLERS`` / ``NORM_SAMPLERS`` and the Opacus
+decorators (``register_grad_sampler``, ``register_norm_sampler``) are views onto the rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 GradSamplerFn = Callable[[nn.Module, Sequence[torch.Tensor], torch.Tensor], dict]
+CostFn = Callable[[nn.Module, Sequence, torch.Tensor], bool]
 
-GRAD_SAMPLERS: dict[type, GradSamplerFn] = {}
-NORM_SAMPLERS: dict[type, GradSamplerFn] = {}
+#: the per-layer fields of a rule, in the order of the table above
+RULE_FIELDS = ("grad_sample", "norm_sq", "clipped_sum", "input_grad_only", "prefer_ghost")
 
 
-def _register(table: dict, target_class_or_classes: type | Iterable[type]):
+@dataclass
+class LayerRule:
+    """What every mode needs to know about one layer type (see the module docstring).
+
+    ``generic`` maps each field left ``None`` on purpose to the reason the generic path is
+    right for this layer (e.g. ``"norm_sq": "the (B, C) gradient is cheapest instantiated"``).
+    """
+
+    grad_sample: GradSamplerFn | None = None
+    norm_sq: GradSamplerFn | None = None
+    clipped_sum: GradSamplerFn | None = None
+    input_grad_only: Callable[..., torch.Tensor] | None = None
+    prefer_ghost: CostFn | None = None
+    generic: dict[str, str] = field(default_factory=dict)
+
+    def missing(self) -> list[str]:
+        """Fields that are neither set nor declared generic (empty for a complete rule)."""
+        return [f for f in RULE_FIELDS if getattr(self, f) is None and f not in self.generic]
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f) is None for f in RULE_FIELDS)
+
+
+#: layer type -> its rule (lookup is by exact type: a subclass needs its own rule)
+LAYER_RULES: dict[type, LayerRule] = {}
+
+
+def _targets(target_class_or_classes: type | Iterable[type]) -> list[type]:
+    if isinstance(target_class_or_classes, type):
+        return [target_class_or_classes]
+    return list(target_class_or_classes)
+
+
+def register_layer_rule(target_class_or_classes: type | Iterable[type], rule: LayerRule) -> LayerRule:
+    """Registers ``rule`` for one or several layer types (replacing what was there); returns it."""
+    unknown = [k for k in rule.generic if k not in RULE_FIELDS]
+    if unknown:
+        raise ValueError(f"LayerRule.generic names unknown fields {unknown}; fields: {RULE_FIELDS}")
+    for t in _targets(target_class_or_classes):
+        LAYER_RULES[t] = rule
+    return rule
+
+
+def rule_for(layer: nn.Module) -> LayerRule | None:
+    """The rule registered for ``type(layer)`` exactly, or ``None``."""
+    return LAYER_RULES.get(type(layer))
+
+
+def prefer_ghost(layer: nn.Module, activations: Sequence, backprops: torch.Tensor) -> bool:
+    """Whether the norm (ghost) path of ``layer``'s rule beats instantiating its per-sample
+    gradient for this call (``False`` for a layer without a cost model)."""
+    rule = rule_for(layer)
+    return bool(rule and rule.prefer_ghost and rule.prefer_ghost(layer, activations, backprops))
+
+
+def input_grad_only_forward(layer: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """The rule's forward without weight gradients for ``layer``: its own type's, or that of a
+    registered base class whose ``forward`` the subclass keeps (``RNNLinear`` is a Linear)."""
+    for base, rule in LAYER_RULES.items():
+        if (
+            rule.input_grad_only is not None
+            and isinstance(layer, base)
+            and type(layer).forward is base.forward
+        ):
+            return rule.input_grad_only
+    return None
+
+
+def _set_field(t: type, name: str, fn) -> None:
+    rule = LAYER_RULES.get(t)
+    if rule is None:
+        LAYER_RULES[t] = LayerRule(**{name: fn})
+    else:  # a new rule object: a rule shared by several types changes for ``t`` only
+        LAYER_RULES[t] = replace(rule, **{name: fn})
+
+
+class RuleFieldView(MutableMapping):
+    """``{layer type: rule.<name>}`` over :data:`LAYER_RULES`, for the types that set it: the
+    Opacus tables (``GRAD_SAMPLERS[MyLayer] = fn``) read and write the rules."""
+
+    def __init__(self, name: str):
+        if name not in RULE_FIELDS:
+            raise ValueError(f"unknown rule field {name!r}")
+        self.name = name
+
+    def __getitem__(self, t: type):
+        fn = getattr(LAYER_RULES.get(t), self.name, None)
+        if fn is None:
+            raise KeyError(t)
+        return fn
+
+    def __setitem__(self, t: type, fn) -> None:
+        _set_field(t, self.name, fn)
+
+    def __delitem__(self, t: type) -> None:
+        self[t]  # noqa: B018  (KeyError if absent)
+        _set_field(t, self.name, None)
+        if LAYER_RULES[t].is_empty():
+            del LAYER_RULES[t]
+
+    def __iter__(self) -> Iterator[type]:
+        return iter([t for t, r in LAYER_RULES.items() if getattr(r, self.name) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"RuleFieldView({self.name!r}, {dict(self)!r})"
+
+
+#: Opacus tables, as views: per-sample gradient and squared per-sample norm functions
+GRAD_SAMPLERS = RuleFieldView("grad_sample")
+NORM_SAMPLERS = RuleFieldView("norm_sq")
+
+
+def _field_decorator(name: str, target_class_or_classes, wrap=None):
     def decorator(f):
-        targets = (
-            target_class_or_classes
-            if isinstance(target_class_or_classes, Iterable)
-            else [target_class_or_classes]
-        )
-        for t in targets:
-            table[t] = f
+        for t in _targets(target_class_or_classes):
+            _set_field(t, name, wrap(f) if wrap else f)
         return f
 
     return decorator
 
 
 def register_grad_sampler(target_class_or_classes: type | Iterable[type]):
-    """Decorator: register ``f(layer, activations, backprops)`` as the grad sampler of a layer type.
-
-    Lookup is by exact type, so a subclass needs its own registration.
-    """
-    return _register(GRAD_SAMPLERS, target_class_or_classes)
+    """Decorator (Opacus API): ``f(layer, activations, backprops) -> {param: (B, *param.shape)}``
+    becomes the ``grad_sample`` of the layer type's rule. Lookup is by exact type."""
+    return _field_decorator("grad_sample", target_class_or_classes)
 
 
 def register_norm_sampler(target_class_or_classes: type | Iterable[type]):
-    """Decorator (Opacus convention): register ``f(layer, activations, backprops)`` returning the
-    per-sample gradient *norms* ``{param: (B,)}`` of a layer type, for the fast-clipping modes
-    (``grad_sample_mode="ghost"``/``"bk"``). Stored squared (see :func:`register_norm_sq_sampler`).
-    """
+    """Decorator (Opacus API): ``f(layer, activations, backprops)`` returning per-sample gradient
+    *norms* ``{param: (B,)}`` becomes the rule's ``norm_sq`` (stored squared)."""
 
-    def decorator(f):
-        def squared(layer, activations, backprops):
+    def squared(f):
+        def norm_sq(layer, activations, backprops):
             return {p: n.pow(2) for p, n in f(layer, activations, backprops).items()}
 
-        squared.__wrapped__ = f
-        _register(NORM_SAMPLERS, target_class_or_classes)(squared)
-        return f
+        norm_sq.__wrapped__ = f
+        return norm_sq
 
-    return decorator
+    return _field_decorator("norm_sq", target_class_or_classes, squared)
 
 
 def register_norm_sq_sampler(target_class_or_classes: type | Iterable[type]):
-    """Decorator: register ``f(layer, activations, backprops)`` returning *squared* per-sample
-    norms ``{param: (B,)}`` (what dptorch's own samplers compute: no square root to undo)."""
-    return _register(NORM_SAMPLERS, target_class_or_classes)
+    """Decorator: ``f(layer, activations, backprops)`` returning *squared* per-sample norms
+    ``{param: (B,)}`` becomes the rule's ``norm_sq``."""
+    return _field_decorator("norm_sq", target_class_or_classes)
+

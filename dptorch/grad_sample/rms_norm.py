@@ -1,4 +1,5 @@
-"""Per-sample gradients of ``nn.RMSNorm``."""
+"""``nn.RMSNorm`` in every mode: its per-sample gradient, whose squared norm is taken from the
+(small) instantiated gradient; the other modes use the generic paths."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layer_norm import elementwise_affine_grad_sample
-from .registry import register_grad_sampler
+from .norm_samplers import instantiated_norm_sq
+from .registry import LayerRule, register_layer_rule
 
 
-@register_grad_sampler(nn.RMSNorm)
 def compute_rms_norm_grad_sample(
     layer: nn.RMSNorm, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -33,3 +34,17 @@ def compute_rms_norm_grad_sample(
         backprops,
         len(layer.normalized_shape),
     )
+
+
+RMS_NORM_RULE = register_layer_rule(
+    nn.RMSNorm,
+    LayerRule(
+        grad_sample=compute_rms_norm_grad_sample,
+        norm_sq=instantiated_norm_sq(compute_rms_norm_grad_sample),
+        generic={
+            "clipped_sum": "recomputing the affine map and one vector-Jacobian product is cheap",
+            "input_grad_only": "autograd's weight gradient is zeroed by a tensor hook",
+            "prefer_ghost": "the (B, C) per-sample gradient is the cheapest exact norm",
+        },
+    ),
+)

@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dptorch.grad_sample import GRAD_SAMPLERS, NORM_SAMPLERS
-from dptorch.grad_sample import norm_samplers as ns
-from dptorch.grad_sample.norm_samplers import CLIPPED_SUM_FNS, generic_clipped_sum
+from dptorch.grad_sample import conv as conv_rule
+from dptorch.grad_sample import linear as linear_rule
+from dptorch.grad_sample.norm_samplers import generic_clipped_sum, ghost_is_cheaper
+from dptorch.grad_sample.registry import LAYER_RULES
 
 SETTINGS = settings(max_examples=12, deadline=None)
 
@@ -27,7 +29,8 @@ def _check(layer: nn.Module, activations, out_shape, force_ghost: bool | None = 
     """Norm sampler vs materialised norms, and clipped-sum function vs Σ_b c_b grad_b."""
     g = torch.randn(out_shape)
     if force_ghost is not None and mp is not None:
-        mp.setattr(ns, "ghost_is_cheaper", lambda *a: force_ghost)
+        for mod in (linear_rule, conv_rule):
+            mp.setattr(mod, "ghost_is_cheaper", lambda *a: force_ghost)
     want = {p: gs.pow(2).sum(tuple(range(1, gs.dim()))) for p, gs in GRAD_SAMPLERS[type(layer)](layer, activations, g).items()}
     got = NORM_SAMPLERS[type(layer)](layer, activations, g)
     assert set(want) == set(got)
@@ -36,7 +39,7 @@ def _check(layer: nn.Module, activations, out_shape, force_ghost: bool | None = 
     c = torch.rand(g.shape[0])
     scaled = g * c.view(-1, *[1] * (g.dim() - 1))
     gs = GRAD_SAMPLERS[type(layer)](layer, activations, g)
-    fn = CLIPPED_SUM_FNS.get(type(layer))
+    fn = LAYER_RULES[type(layer)].clipped_sum
     sums = fn(layer, activations, scaled) if fn else generic_clipped_sum(layer, activations, scaled)
     for p in gs:
         torch.testing.assert_close(sums[p], torch.tensordot(c, gs[p], dims=1), rtol=1e-6, atol=1e-9)
@@ -121,6 +124,6 @@ def test_sequence_bias():
 
 
 def test_cost_model():
-    assert ns.ghost_is_cheaper(1, 10, 10)
-    assert ns.ghost_is_cheaper(4, 512, 512)
-    assert not ns.ghost_is_cheaper(196, 64, 16)
+    assert ghost_is_cheaper(1, 10, 10)
+    assert ghost_is_cheaper(4, 512, 512)
+    assert not ghost_is_cheaper(196, 64, 16)
