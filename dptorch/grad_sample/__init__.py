@@ -7,6 +7,7 @@ from . import (  # noqa: F401  (each registers its layer rule)
     dp_rnn,
     embedding,
     group_norm,
+    hf_conv1d,
     instance_norm,
     layer_norm,
     linear,

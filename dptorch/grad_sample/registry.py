@@ -69,18 +69,28 @@ class LayerRule:
         return all(getattr(self, f) is None for f in RULE_FIELDS)
 
 
-#: layer type -> its rule (lookup is by exact type: a subclass needs its own rule)
-LAYER_RULES: dict[type, LayerRule] = {}
+#: layer type -> its rule. Lookup is by exact type (a subclass needs its own rule); a key may
+#: also be a type's qualified name ``"package.module.Class"``, for a layer of an optional
+#: dependency that dptorch must not import (Hugging Face's ``Conv1D``).
+LAYER_RULES: dict[type | str, LayerRule] = {}
+
+Target = type | str
 
 
-def _targets(target_class_or_classes: type | Iterable[type]) -> list[type]:
-    if isinstance(target_class_or_classes, type):
+def _targets(target_class_or_classes: Target | Iterable[Target]) -> list[Target]:
+    if isinstance(target_class_or_classes, (type, str)):
         return [target_class_or_classes]
     return list(target_class_or_classes)
 
 
-def register_layer_rule(target_class_or_classes: type | Iterable[type], rule: LayerRule) -> LayerRule:
-    """Registers ``rule`` for one or several layer types (replacing what was there); returns it."""
+def qualified_name(t: type) -> str:
+    """``"package.module.Class"`` of a type, the name key of :data:`LAYER_RULES`."""
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def register_layer_rule(target_class_or_classes: Target | Iterable[Target], rule: LayerRule) -> LayerRule:
+    """Registers ``rule`` for one or several layer types, or qualified type names (replacing
+    what was there); returns it."""
     unknown = [k for k in rule.generic if k not in RULE_FIELDS]
     if unknown:
         raise ValueError(f"LayerRule.generic names unknown fields {unknown}; fields: {RULE_FIELDS}")
@@ -89,9 +99,15 @@ def register_layer_rule(target_class_or_classes: type | Iterable[type], rule: La
     return rule
 
 
+def rule_for_type(t: type) -> LayerRule | None:
+    """The rule registered for the type ``t`` exactly (or its qualified name), or ``None``."""
+    rule = LAYER_RULES.get(t)
+    return rule if rule is not None else LAYER_RULES.get(qualified_name(t))
+
+
 def rule_for(layer: nn.Module) -> LayerRule | None:
-    """The rule registered for ``type(layer)`` exactly, or ``None``."""
-    return LAYER_RULES.get(type(layer))
+    """The rule of ``type(layer)`` (exact type), or ``None``."""
+    return rule_for_type(type(layer))
 
 
 def prefer_ghost(layer: nn.Module, activations: Sequence, backprops: torch.Tensor) -> bool:
@@ -102,20 +118,18 @@ def prefer_ghost(layer: nn.Module, activations: Sequence, backprops: torch.Tenso
 
 
 def input_grad_only_forward(layer: nn.Module) -> Callable[..., torch.Tensor] | None:
-    """The rule's forward without weight gradients for ``layer``: its own type's, or that of a
-    registered base class whose ``forward`` the subclass keeps (``RNNLinear`` is a Linear)."""
-    for base, rule in LAYER_RULES.items():
-        if (
-            rule.input_grad_only is not None
-            and isinstance(layer, base)
-            and type(layer).forward is base.forward
-        ):
-            return rule.input_grad_only
+    """The rule's forward without weight gradients for ``layer``: that of its own type or of the
+    nearest base class with a rule, if ``layer`` keeps that class's ``forward`` (a subclass of
+    ``nn.Linear`` that does not override ``forward`` computes a Linear's gradients)."""
+    for base in type(layer).__mro__:
+        rule = rule_for_type(base)
+        if rule is not None and rule.input_grad_only is not None:
+            return rule.input_grad_only if type(layer).forward is base.forward else None
     return None
 
 
-def _set_field(t: type, name: str, fn) -> None:
-    rule = LAYER_RULES.get(t)
+def _set_field(t: Target, name: str, fn) -> None:
+    rule = LAYER_RULES.get(t) if isinstance(t, str) else rule_for_type(t)
     if rule is None:
         LAYER_RULES[t] = LayerRule(**{name: fn})
     else:  # a new rule object: a rule shared by several types changes for ``t`` only
@@ -132,7 +146,7 @@ class RuleFieldView(MutableMapping):
         self.name = name
 
     def __getitem__(self, t: type):
-        fn = getattr(LAYER_RULES.get(t), self.name, None)
+        fn = getattr(rule_for_type(t) if isinstance(t, type) else LAYER_RULES.get(t), self.name, None)
         if fn is None:
             raise KeyError(t)
         return fn
@@ -143,7 +157,7 @@ class RuleFieldView(MutableMapping):
     def __delitem__(self, t: type) -> None:
         self[t]  # noqa: B018  (KeyError if absent)
         _set_field(t, self.name, None)
-        if LAYER_RULES[t].is_empty():
+        if t in LAYER_RULES and LAYER_RULES[t].is_empty():
             del LAYER_RULES[t]
 
     def __iter__(self) -> Iterator[type]:

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample import LAYER_RULES, LayerRule
-from dptorch.grad_sample.registry import GRAD_SAMPLERS, RULE_FIELDS, register_layer_rule
+from dptorch.grad_sample.registry import (
+    GRAD_SAMPLERS,
+    RULE_FIELDS,
+    qualified_name,
+    register_layer_rule,
+)
 from dptorch.layers.dp_multihead_attention import SequenceBias
 from dptorch.layers.dp_rnn import RNNLinear
 
@@ -31,6 +36,16 @@ class Pair(nn.Module):
     def forward(self, x):
         d1 = self.layer.in1_features
         return self.layer(x[..., :d1], x[..., d1:])
+
+
+def _hf_conv1d(nf, nx):
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D(nf, nx)
+
+
+def _name(t) -> str:
+    return t if isinstance(t, str) else t.__name__
 
 
 def _ids(*shape, high=7):
@@ -63,6 +78,10 @@ EXAMPLES = {
     nn.InstanceNorm2d: [lambda: (nn.InstanceNorm2d(2, affine=True), torch.randn(5, 2, 3, 3))],
     nn.InstanceNorm3d: [lambda: (nn.InstanceNorm3d(2, affine=True), torch.randn(4, 2, 2, 2, 3))],
     SequenceBias: [lambda: (SequenceBias(3, batch_first=True), torch.randn(5, 2, 3))],
+    "transformers.pytorch_utils.Conv1D": [
+        lambda: (_hf_conv1d(3, 4), torch.randn(5, 4)),
+        lambda: (nn.Sequential(nn.Linear(3, 2), _hf_conv1d(2, 2)), torch.randn(5, 6, 3)),
+    ],
 }
 
 
@@ -74,11 +93,11 @@ def _float64():
     torch.set_default_dtype(old)
 
 
-@pytest.mark.parametrize("layer_type", list(BUILTIN), ids=lambda t: t.__name__)
+@pytest.mark.parametrize("layer_type", list(BUILTIN), ids=_name)
 def test_rule_is_complete(layer_type):
     rule = BUILTIN[layer_type]
     assert rule.grad_sample is not None, "a rule needs at least the per-sample gradient"
-    assert rule.missing() == [], f"{layer_type.__name__}: set or declare generic {rule.missing()}"
+    assert rule.missing() == [], f"{_name(layer_type)}: set or declare generic {rule.missing()}"
     for name, why in rule.generic.items():
         assert getattr(rule, name) is None, f"{name} is both set and declared generic"
         assert isinstance(why, str) and why.strip()
@@ -128,7 +147,7 @@ CASES = [(t, i) for t, fs in EXAMPLES.items() for i in range(len(fs))]
 
 @pytest.mark.parametrize("variant", ["hooks", "functorch", "ghost", "bk", "bk-per_layer"])
 @pytest.mark.parametrize(
-    "layer_type,i", CASES, ids=[f"{t.__name__}{i}" for t, i in CASES]
+    "layer_type,i", CASES, ids=[f"{_name(t).rsplit('.', 1)[-1]}{i}" for t, i in CASES]
 )
 def test_rule_exact_in_every_mode(layer_type, i, variant):
     torch.manual_seed(i)
@@ -138,7 +157,7 @@ def test_rule_exact_in_every_mode(layer_type, i, variant):
         for p in model.parameters():  # non-trivial affine parameters
             p.add_(0.3 * torch.randn_like(p))
     y = torch.randn_like(model(x))
-    assert any(type(m) is layer_type for m in model.modules())
+    assert any(layer_type in (type(m), qualified_name(type(m))) for m in model.modules())
     for c in (1e3, 0.05):  # unclipped, and every sample clipped
         assert_exact_or_refused(
             model, variant, x, y, variant_bounds(model, variant, c), must_work=True
