@@ -26,8 +26,9 @@ def check_bound(value: Any, what: str = "max_grad_norm") -> float:
     clipping), else ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(
-            f"{what} must be a number > 0, got {value!r}. It is the L2 norm each sample's "
-            "gradient is clipped to (typical values 0.1-10)."
+            f"{what} must be a real number (int or float, not bool) > 0, got {value!r} "
+            f"({type(value).__name__}). It is the L2 norm each sample's gradient is clipped to "
+            "(typical values 0.1-10)."
         )
     return float(value)
 

@@ -9,6 +9,7 @@ a training step on it still adds noise and is accounted for.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,10 @@ __all__ = [
     "shape_safe",
     "dtype_safe",
     "poisson_sampling_indices",
+    "check_data_loader",
+    "records_in_loader",
+    "expected_batch_size",
+    "prepare_data_loader",
 ]
 
 # DataLoader settings carried over by DPDataLoader.from_data_loader (batching is replaced).
@@ -328,6 +333,97 @@ def poisson_sampling_indices(
     )
 
 
+def check_data_loader(
+    data_loader: DataLoader, *, poisson_sampling: bool = True, secure_mode: bool = False
+) -> None:
+    """Raises ``ValueError`` unless ``data_loader`` can be trained on privately: it has a
+    non-empty sized dataset (map-style for ``poisson_sampling``) and yields batches; in
+    ``secure_mode`` with Poisson sampling, it has no seeded generator (the sampling must come
+    from the OS CSPRNG)."""
+    dataset = getattr(data_loader, "dataset", None)
+    if dataset is None:
+        raise ValueError(
+            "The data loader has no .dataset: the privacy accounting needs the dataset size."
+        )
+    if poisson_sampling and isinstance(dataset, IterableDataset):
+        raise ValueError(
+            "Poisson sampling needs a map-style dataset (len and indexing); got an "
+            f"IterableDataset ({type(dataset).__name__})."
+        )
+    try:
+        n = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError("The dataset has no len(): the accountant needs its size.") from None
+    if n == 0:
+        raise ValueError("The data loader's dataset is empty: there is nothing to train on.")
+    if len(data_loader) == 0:
+        raise ValueError("The data loader yields no batch (len(data_loader) == 0).")
+    if secure_mode and poisson_sampling and getattr(data_loader, "generator", None) is not None:
+        raise ValueError(
+            "secure_mode=True: the data loader has a seeded generator, but the sampling must "
+            "come from the OS CSPRNG. Build the DataLoader without generator=."
+        )
+
+
+def records_in_loader(
+    data_loader: DataLoader, *, poisson_sampling: bool, distributed: bool = False
+) -> int:
+    """N, the number of records ``data_loader`` can yield: ``len(indices)`` of its
+    ``SubsetRandomSampler``, else the dataset size. The accounting uses it (expected batch size
+    ``q · N``, the δ < 1/N check).
+
+    With ``poisson_sampling`` a sampler that Poisson sampling cannot reproduce raises
+    ``ValueError`` (see :func:`poisson_sampling_indices`)."""
+    if poisson_sampling:
+        indices = poisson_sampling_indices(data_loader, distributed=distributed)
+        return len(data_loader.dataset) if indices is None else len(indices)  # type: ignore[arg-type]
+    sampler = loader_sampler(data_loader)
+    if isinstance(sampler, SubsetRandomSampler):
+        return len(sampler.indices)
+    return len(data_loader.dataset)  # type: ignore[arg-type]
+
+
+def expected_batch_size(num_records: int, sample_rate: float, distributed: bool = False) -> float:
+    """``q · N``, robust to float round-off. Distributed: the per-rank share
+    ``q · N / world_size``, kept fractional so that the distributed optimizer's division by
+    ``expected_batch_size × world_size`` is exactly by ``q · N``."""
+    expected = max(1, int(num_records * sample_rate + 1e-9))
+    return expected / _world_size() if distributed else expected
+
+
+def prepare_data_loader(
+    data_loader: DataLoader,
+    *,
+    poisson_sampling: bool,
+    distributed: bool = False,
+    batch_first: bool = True,
+    secure_mode: bool = False,
+) -> DataLoader:
+    """The loader ``make_private`` trains with: a Poisson-sampling :class:`DPDataLoader` over the
+    records ``data_loader`` draws from, or, with ``poisson_sampling=False``, ``data_loader``
+    itself with a warning (the accounting assumes Poisson sampling); in ``secure_mode`` its
+    shuffling is then reseeded from the OS CSPRNG."""
+    if poisson_sampling:
+        return DPDataLoader.from_data_loader(
+            data_loader, distributed=distributed, batch_first=batch_first, secure_mode=secure_mode
+        )
+    warnings.warn(
+        "poisson_sampling=False: batches are not Poisson samples, but the privacy accounting "
+        "assumes Poisson sampling with rate 1/len(data_loader). The reported epsilon is then "
+        "not a proven guarantee for this training.",
+        UserWarning,
+        stacklevel=4,
+    )
+    if secure_mode:
+        gen = torch.Generator()
+        gen.manual_seed(secure_generator_seed())
+        try:
+            switch_generator(data_loader=data_loader, generator=gen)
+        except ValueError:
+            logger.info("secure_mode: the data loader draws no random numbers to secure.")
+    return data_loader
+
+
 def _check_subset(
     indices: Sequence[int] | torch.Tensor, n: int, name: str = "The SubsetRandomSampler's indices"
 ) -> torch.Tensor:
@@ -482,19 +578,8 @@ class DPDataLoader(DataLoader):
         (ignored in secure mode only if it is ``None``; a seeded generator with ``secure_mode``
         is an error).
         """
-        dataset = getattr(data_loader, "dataset", None)
-        if dataset is None:
-            raise ValueError("The data loader has no dataset: DPDataLoader needs a map-style dataset.")
-        if isinstance(dataset, IterableDataset):
-            raise ValueError(
-                "Poisson sampling needs a map-style dataset; got an IterableDataset "
-                f"({type(dataset).__name__})."
-            )
-        if len(dataset) == 0:  # type: ignore[arg-type]
-            raise ValueError("The data loader's dataset is empty: there is nothing to train on.")
-        n_batches = len(data_loader)
-        if n_batches == 0:
-            raise ValueError("The data loader yields no batch (len(data_loader) == 0).")
+        check_data_loader(data_loader)
+        dataset, n_batches = data_loader.dataset, len(data_loader)
         indices = poisson_sampling_indices(data_loader, distributed=distributed)
         if generator is None and not secure_mode:
             generator = data_loader.generator

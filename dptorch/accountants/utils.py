@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
+from .accountant import IAccountant
 from .registry import create_accountant
 
 MAX_SIGMA = 1e6
+
+
+def _is_real(x: Any) -> bool:
+    """A real number (``int``, ``float``, numpy scalars), not ``bool``."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def get_noise_multiplier(
@@ -38,12 +45,15 @@ def get_noise_multiplier(
         raise ValueError("pass exactly one of epochs and steps to get_noise_multiplier.")
     if not 0.0 < sample_rate <= 1.0:
         raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}.")
-    if not 0.0 < target_delta < 1.0:
-        raise ValueError(f"target_delta must lie in (0, 1), got {target_delta}.")
-    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
-        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon}.")
-    if not epsilon_tolerance > 0:
-        raise ValueError(f"epsilon_tolerance must be > 0, got {epsilon_tolerance}.")
+    if not (_is_real(target_delta) and 0.0 < target_delta < 1.0):
+        raise ValueError(f"target_delta must be a number in (0, 1), got {target_delta!r}.")
+    if not (_is_real(target_epsilon) and 0 < target_epsilon < math.inf):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
+    if not (_is_real(epsilon_tolerance) and 0 < epsilon_tolerance < math.inf):
+        raise ValueError(
+            "epsilon_tolerance must be a finite number > 0 (how far below target_epsilon the "
+            f"reached epsilon may be), got {epsilon_tolerance!r}."
+        )
     if steps is None:
         if not epochs > 0:
             raise ValueError(f"epochs must be > 0, got {epochs}.")
@@ -80,6 +90,69 @@ def get_noise_multiplier(
 
 
 _CHEAP = ("rdp", "gdp")
+
+#: A calibrated noise multiplier above this is almost certainly a mistake (target_epsilon far
+#: too small for the data set size and the number of steps): the model learns next to nothing.
+EXTREME_NOISE_MULTIPLIER = 50.0
+
+
+def warn_if_weak_delta(
+    delta: Any, num_records: int | None, name: str = "delta", meaning: str = "", stacklevel: int = 3
+) -> None:
+    """Warns (``UserWarning``) when ``delta >= 1/N`` (N = ``num_records``): a mechanism that
+    publishes one random record in full satisfies such a δ, so it does not mean privacy."""
+    if num_records is None or not _is_real(delta) or delta < 1 / num_records:
+        return
+    warnings.warn(
+        f"{name}={delta:g} is >= 1/N = {1 / num_records:g} (N = {num_records} records): a "
+        f"mechanism that publishes one random record in full satisfies such a delta{meaning}. "
+        "Use delta well below 1/N (e.g. 1/N^1.1 or 1e-5 for N < 100000).",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def calibrate_noise_multiplier(
+    accountant: IAccountant,
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    epochs: int,
+    epsilon_tolerance: float = 0.01,
+    num_records: int | None = None,
+) -> float:
+    """:func:`get_noise_multiplier` under ``accountant``'s mechanism, warning (``UserWarning``)
+    when ``target_delta >= 1/N`` (N = ``num_records``), when ``accountant`` already accounted
+    steps (the total ε will exceed the target) and when σ exceeds
+    :data:`EXTREME_NOISE_MULTIPLIER`."""
+    sigma = get_noise_multiplier(
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        sample_rate=sample_rate,
+        epochs=epochs,
+        accountant=accountant.mechanism(),
+        epsilon_tolerance=epsilon_tolerance,
+    )
+    warn_if_weak_delta(target_delta, num_records, "target_delta", stacklevel=5)
+    if len(accountant) > 0:
+        warnings.warn(
+            "Calibrating the noise with an accountant that already accounted steps: the noise "
+            "reaches target_epsilon for this training alone, and the total epsilon will exceed "
+            "it (make_private_with_epsilon on a used PrivacyEngine).",
+            stacklevel=4,
+        )
+    if sigma > EXTREME_NOISE_MULTIPLIER:
+        warnings.warn(
+            f"target_epsilon={target_epsilon:g} needs noise_multiplier={sigma:.4g} (sample rate "
+            f"{sample_rate:.4g}, {epochs} epochs): the noise is more than "
+            f"{EXTREME_NOISE_MULTIPLIER:g} times the clipping norm, so the model will learn "
+            "next to nothing. Check target_epsilon (typical values 1-10), or use more data, "
+            "larger batches or fewer epochs.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return sigma
 
 
 def _bisect(eps_at: Callable[[float], float], target: float, tol: float) -> float:

@@ -39,7 +39,6 @@ from .functorch import module_batch_first
 from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from .norm_samplers import generic_clipped_sum
 from .registry import input_grad_only_forward, prefer_ghost, rule_for
-from .utils import register_grad_sample_mode
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +241,3 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 if p in res:
                     out[p] = res[p]
         return out
-
-
-register_grad_sample_mode("bk", GradSampleModuleBookKeeping)

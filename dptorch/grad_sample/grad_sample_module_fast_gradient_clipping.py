@@ -40,7 +40,6 @@ from .grad_sample_module import GradSampleModule
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
 from .registry import rule_for
 from .step_record import PassRecord, grad_state
-from .utils import register_grad_sample_mode
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +287,3 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         rec.clip_bound = self.clipping.snapshot() if bound is None else bound
         rec.grad_state = {id(p): grad_state(p) for p in self.trainable_parameters()}
         self.check_can_clip()
-
-
-register_grad_sample_mode("ghost", GradSampleModuleFastGradientClipping)

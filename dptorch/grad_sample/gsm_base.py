@@ -133,3 +133,21 @@ class AbstractGradSampleModule(nn.Module, ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._module!r})"
+
+
+def forbid_accumulation_hook(module: nn.Module, _input: object) -> None:
+    """Forward pre-hook refusing a forward pass while per-sample gradients of the previous one
+    are still there (no ``optimizer.step()`` + ``zero_grad()`` in between).
+
+    With Poisson sampling two small batches are not one large Poisson batch, so gradients must
+    not be accumulated across batches (use BatchMemoryManager for large logical batches).
+    """
+    if not module.training:
+        return
+    for p in module.parameters():
+        if getattr(p, "grad_sample", None) is not None:
+            raise ValueError(
+                "Poisson sampling is not compatible with grad accumulation. You need to call "
+                "optimizer.step() after every forward/backward pass or consider using "
+                "BatchMemoryManager"
+            )

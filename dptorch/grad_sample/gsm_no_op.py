@@ -11,7 +11,6 @@ from __future__ import annotations
 from torch import nn
 
 from .gsm_base import AbstractGradSampleModule
-from .utils import register_grad_sample_mode
 
 __all__ = ["GradSampleModuleNoOp"]
 
@@ -32,6 +31,3 @@ class GradSampleModuleNoOp(AbstractGradSampleModule):
 
     def forward(self, x, *args, **kwargs):
         return self._module(x, *args, **kwargs)
-
-
-register_grad_sample_mode("no_op", GradSampleModuleNoOp)

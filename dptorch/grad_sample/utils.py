@@ -1,41 +1,126 @@
-"""Choosing and building the GradSampleModule flavour for a ``grad_sample_mode``."""
+"""The built-in ``grad_sample_mode`` modules, and building the GradSampleModule of a mode.
+
+The modes themselves live in :mod:`dptorch.modes`; this module registers the module side of
+the built-in ones and keeps the Opacus names (:func:`get_gsm_class`, :func:`wrap_model`,
+:func:`prepare_module`) and dptorch's :func:`register_grad_sample_mode` / ``GSM_CLASSES`` as
+views on that registry.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, Mapping
+
 from torch import nn
 
+from ..modes import Mode, get_mode, known_modes, register_mode
 from .grad_sample_module import GradSampleModule
+from .grad_sample_module_bk import GradSampleModuleBookKeeping
+from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from .gsm_base import AbstractGradSampleModule
 from .gsm_exp_weights import GradSampleModuleExpandedWeights
+from .gsm_no_op import GradSampleModuleNoOp
 from .registry import register_grad_sampler, register_norm_sampler
 
-GSM_CLASSES: dict[str, type] = {
-    "hooks": GradSampleModule,
-    "functorch": GradSampleModule,
-    "ew": GradSampleModuleExpandedWeights,
-}
+# hooks and functorch keep one per-sample gradient slice per backward pass (multi_pass=True);
+# adaptive clipping's clip-count noise assumes one clipped unit per record
+_SLICED = ("flat", "per_layer")
+for _mode in (
+    Mode("hooks", GradSampleModule, multi_pass_clippings=_SLICED),
+    Mode(
+        "functorch",
+        GradSampleModule,
+        multi_pass_clippings=_SLICED,
+        gsm_kwargs={"force_functorch": True},
+    ),
+    Mode("ew", GradSampleModuleExpandedWeights),
+    Mode("no_op", GradSampleModuleNoOp),  # p.grad_sample is filled by the user
+    Mode(
+        "ghost",
+        GradSampleModuleFastGradientClipping,
+        fast_clipping=True,
+        returns_criterion=True,  # the loss wrapper runs ghost clipping's two backward passes
+    ),
+    Mode("bk", GradSampleModuleBookKeeping, fast_clipping=True),
+):
+    register_mode(_mode)
+
+
+class _GsmClasses(Mapping):
+    """Read-only view ``mode name -> GradSampleModule class`` of the mode registry."""
+
+    def __getitem__(self, name: str) -> type:
+        if name not in known_modes():
+            raise KeyError(name)
+        return get_mode(name).gsm_class
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(known_modes())
+
+    def __len__(self) -> int:
+        return len(known_modes())
+
+
+#: The modes of this installation and their module classes (a view of :mod:`dptorch.modes`).
+GSM_CLASSES: Mapping[str, type] = _GsmClasses()
 
 
 def register_grad_sample_mode(name: str, cls: type) -> None:
-    """Makes ``grad_sample_mode=name`` build ``cls`` (used by the fast-clipping modes)."""
-    GSM_CLASSES[name] = cls
+    """Makes ``grad_sample_mode=name`` build ``cls``. The other settings of an existing mode of
+    that name are kept; a new name is a mode that fills ``p.grad_sample`` (served by the
+    per-sample-gradient optimizers). Use :func:`dptorch.modes.register_mode` to set them."""
+    if not (isinstance(cls, type) and issubclass(cls, AbstractGradSampleModule)):
+        raise ValueError(f"{cls!r} is not an AbstractGradSampleModule subclass.")
+    try:
+        mode = dataclasses.replace(get_mode(name), gsm_class=cls)
+    except ValueError:
+        mode = Mode(name, cls)
+    register_mode(mode)
 
 
 def get_gsm_class(grad_sample_mode: str) -> type:
-    """The GradSampleModule class implementing ``grad_sample_mode``."""
-    try:
-        return GSM_CLASSES[grad_sample_mode]
-    except KeyError:
+    """The GradSampleModule class implementing ``grad_sample_mode`` (``ValueError`` if unknown)."""
+    cls = get_mode(grad_sample_mode).gsm_class
+    if cls is None:
+        raise ValueError(f"grad_sample_mode {grad_sample_mode!r} has no GradSampleModule class.")
+    return cls
+
+
+def check_wrapped(
+    module: nn.Module,
+    grad_sample_mode: str,
+    *,
+    batch_first: bool,
+    loss_reduction: str,
+    multi_pass: bool = False,
+) -> None:
+    """Raises ``ValueError`` if ``module`` is already a GradSampleModule whose class or settings
+    differ from those requested (a plain ``nn.Module`` passes)."""
+    if not isinstance(module, AbstractGradSampleModule):
+        return
+    has = (
+        type(module),
+        module.batch_first,
+        module.loss_reduction,
+        getattr(module, "multi_pass", False),
+    )
+    wants = (get_gsm_class(grad_sample_mode), batch_first, loss_reduction, multi_pass)
+    if has != wants:
         raise ValueError(
-            f"Unknown grad_sample_mode {grad_sample_mode!r}; expected one of {sorted(GSM_CLASSES)}"
-        ) from None
+            f"The module is already a {has[0].__name__} with batch_first={has[1]}, "
+            f"loss_reduction={has[2]!r}, multi_pass={has[3]}, but grad_sample_mode="
+            f"{grad_sample_mode!r} ({wants[0].__name__}) with batch_first={batch_first}, "
+            f"loss_reduction={loss_reduction!r}, multi_pass={multi_pass} was requested. Pass the "
+            "plain nn.Module instead."
+        )
 
 
 def prepare_module(
     model: nn.Module, grad_sample_mode: str, wrap_model: bool = True, *args, **kwargs
 ) -> AbstractGradSampleModule:
-    """Wraps ``model`` in the GradSampleModule of ``grad_sample_mode`` (:func:`get_gsm_class`);
-    ``*args`` / ``**kwargs`` go to its constructor (``"functorch"`` sets ``force_functorch``).
+    """Wraps ``model`` in the GradSampleModule of ``grad_sample_mode``; ``*args`` / ``**kwargs``
+    go to its constructor, with the mode's own ``gsm_kwargs`` (``"functorch"`` sets
+    ``force_functorch=True``).
 
     ``wrap_model=False`` (Opacus: attach hook objects without wrapping) raises
     ``NotImplementedError``: dptorch's hooks live in the wrapping module, there is no separate
@@ -47,12 +132,7 @@ def prepare_module(
             "GradSampleModule wrapper (there is no separate hooks class); use wrap_model=True."
         )
     cls = get_gsm_class(grad_sample_mode)
-    if grad_sample_mode == "functorch":
-        kwargs["force_functorch"] = True
-    if cls is GradSampleModuleExpandedWeights:
-        kwargs.pop("force_functorch", None)
-        kwargs.pop("strict", None)
-    return cls(model, *args, **kwargs)
+    return cls(model, *args, **{**kwargs, **get_mode(grad_sample_mode).gsm_kwargs})
 
 
 def wrap_model(
@@ -63,6 +143,8 @@ def wrap_model(
 
 
 __all__ = [
+    "GSM_CLASSES",
+    "check_wrapped",
     "get_gsm_class",
     "prepare_module",
     "wrap_model",

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 from torch.optim import Optimizer
 
 from ..utils.randomness import generate_noise
-from .optimizer import DPOptimizer
-
-logger = logging.getLogger(__name__)
+from .optimizer import DPOptimizer, UnitGrads
 
 __all__ = ["AdaClipDPOptimizer"]
 
@@ -45,7 +42,13 @@ class AdaClipDPOptimizer(DPOptimizer):
         unclipped_num_std: std of the noise on the unclipped count (> 0).
         max_grad_norm: initial clipping norm.
         Other arguments: as :class:`DPOptimizer`.
+
+    Multi-pass with split clipping (``accum_passes=False``) is refused: one record would move
+    the count of every private pass, which the count's noise does not cover.
     """
+
+    #: read by the multi-pass variant (``optimizers/multi_pass.py``)
+    supports_split_clipping = False
 
     def __init__(
         self,
@@ -123,7 +126,7 @@ class AdaClipDPOptimizer(DPOptimizer):
     def noise_std(self) -> float:
         return self.gradient_noise_multiplier * self.max_grad_norm * self.noise_scale_factor
 
-    def compute_clip_factors(self, unit_grads=None) -> list[torch.Tensor]:
+    def compute_clip_factors(self, unit_grads: UnitGrads | None = None) -> list[torch.Tensor]:
         """Flat clip factors; also adds the centred count ``Σ (1[factor = 1] − 1/2)`` of the
         units left unclipped (sensitivity 1/2 under add/remove)."""
         factors = super().compute_clip_factors(unit_grads)

@@ -26,15 +26,12 @@ batches per logical batch; every rank must run the same number of real steps.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from .optimizer import DPOptimizer
-
-logger = logging.getLogger(__name__)
 
 #: Largest number of elements all-reduced in one flat buffer (bounds the extra memory).
 BUCKET_NUMEL = 1 << 24

@@ -1,32 +1,37 @@
 """DPOptimizer: the clipping/noising core of DP-SGD, wrapping any ``torch.optim.Optimizer``.
 
 Every variant (per-layer clipping, adaptive clipping, distributed, multi-pass, fast clipping)
-extends this class by overriding one stage of :meth:`DPOptimizer.pre_step`.
+extends this class by overriding one stage of :meth:`DPOptimizer.pre_step`. Multi-pass training
+(several backward passes per step, manual clipping stages) is a mixin of its own,
+:mod:`dptorch.optimizers.multi_pass`: a DP optimizer built with a multi-pass option is an
+instance of its class's multi-pass variant (see :class:`_MultiPassDispatch`).
 
 Per-sample gradients are read from ``p.grad_sample``: ``(B, *p.shape)`` for one backward pass,
-a list of those when gradients were accumulated over several passes, or ``(P, B, *p.shape)`` in
-multi-pass mode. Internally everything is viewed as ``(P, B, *p.shape)``; a *unit* is one
+or a list of those when gradients were accumulated over several passes (``(P, B, *p.shape)``
+in multi-pass mode). Internally everything is viewed as ``(P, B, *p.shape)``; a *unit* is one
 (pass, sample) pair and is what gets clipped.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..clipping import CLIP_EPS, ClippingContract, check_bound
+from ..clipping import ClippingContract
 from ..grad_sample.gsm_base import _check_loss_reduction, clear_grad_sample
 from ..grad_sample.step_record import StepRecord, records_for
 from ..utils.randomness import generate_noise
+from .arguments import check_noise_generator, check_noise_multiplier
 from .utils import params as optimizer_params
 
-logger = logging.getLogger(__name__)
+#: ``(p, per-unit gradient (P, B, *p.shape))`` of each parameter with per-sample gradients
+UnitGrads = list[tuple[nn.Parameter, torch.Tensor]]
 
-__all__ = ["CLIP_EPS", "DPOptimizer"]
+__all__ = ["DPOptimizer"]
 
 
 def _mark_as_processed(obj: torch.Tensor | list[torch.Tensor]) -> None:
@@ -39,6 +44,7 @@ def _mark_as_processed(obj: torch.Tensor | list[torch.Tensor]) -> None:
 
 
 def _check_processed_flag_tensor(x: torch.Tensor) -> None:
+    """Raises ``ValueError`` if the tensor ``x`` was already consumed by a step."""
     if hasattr(x, "_processed"):
         raise ValueError(
             "Gradients haven't been cleared since the last optimizer step. Call "
@@ -86,12 +92,50 @@ def _get_flat_grad_sample(p: torch.Tensor) -> torch.Tensor:
     return gs
 
 
+def _has_pass_axis(gs: torch.Tensor | list[torch.Tensor], p: torch.Tensor) -> bool:
+    """Whether ``gs`` is a multi-pass per-sample gradient ``(P, B, *p.shape)``."""
+    return isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2
+
+
 def _as_passes(gs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """View a per-sample gradient as ``(P, B, *p.shape)``."""
-    return gs if gs.dim() == p.dim() + 2 else gs.unsqueeze(0)
+    return gs if _has_pass_axis(gs, p) else gs.unsqueeze(0)
 
 
-class DPOptimizer(Optimizer):
+def _multi_pass_requested(kwargs: dict[str, Any]) -> bool:
+    """Whether constructor keyword arguments ask for multi-pass training: ``accum_passes``,
+    ``num_private_passes`` or ``auto_clip_and_accum_on_step=False``."""
+    return (
+        kwargs.get("accum_passes") is not None
+        or kwargs.get("num_private_passes") is not None
+        or not kwargs.get("auto_clip_and_accum_on_step", True)
+    )
+
+
+class _MultiPassDispatch(Optimizer):
+    """Base of :class:`DPOptimizer` that picks the class of a new instance: a multi-pass option
+    among the constructor's keyword arguments gives the class's multi-pass variant,
+    ``class MultiPass<Cls>(MultiPassDPOptimizerMixin, Cls)``
+    (:func:`dptorch.optimizers.multi_pass.multi_pass_variant`), so that
+    ``DPOptimizer(..., accum_passes=True)`` works while the core holds no multi-pass code.
+
+    ``__new__`` lives here rather than on DPOptimizer so that ``inspect.signature`` of the
+    optimizer classes still shows their ``__init__``.
+    """
+
+    #: False for optimizers without per-sample gradients (fast clipping); their ``__init__``
+    #: refuses the multi-pass options.
+    supports_multi_pass: ClassVar[bool] = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _MultiPassDispatch:
+        if cls.supports_multi_pass and _multi_pass_requested(kwargs):
+            from .multi_pass import multi_pass_variant
+
+            cls = multi_pass_variant(cls)
+        return super().__new__(cls)
+
+
+class DPOptimizer(_MultiPassDispatch):
     """Wraps ``optimizer`` so that ``step()`` performs a DP-SGD step.
 
     ``step()`` = :meth:`pre_step` (clip each sample's gradient to norm ``max_grad_norm``, sum,
@@ -109,7 +153,10 @@ class DPOptimizer(Optimizer):
         accum_passes / num_private_passes / auto_clip_and_accum_on_step: multi-pass training, see
             docs/multi_pass.md. ``accum_passes=True`` sums each sample's gradient over passes and
             clips once; ``False`` clips every pass and multiplies the noise by
-            ``num_private_passes``.
+            ``num_private_passes``; ``auto_clip_and_accum_on_step=False`` leaves clipping and
+            accumulation to the manual stages. Any of them makes the new optimizer an instance
+            of the class's multi-pass variant (:mod:`dptorch.optimizers.multi_pass`), which
+            handles them; they are named here so that the signature lists them.
     """
 
     def __init__(
@@ -128,37 +175,41 @@ class DPOptimizer(Optimizer):
         **kwargs,
     ):
         _check_loss_reduction(loss_reduction)
-        if noise_multiplier is None or not (noise_multiplier >= 0):
-            raise ValueError(
-                f"noise_multiplier must be >= 0, got {noise_multiplier}. It is the noise std "
-                "relative to max_grad_norm (typical values 0.5-2)."
-            )
+        check_noise_multiplier(noise_multiplier, max_grad_norm)
+        check_noise_generator(generator, secure_mode=secure_mode)
         self.clipping = self._make_contract(optimizer, max_grad_norm)
         if loss_reduction == "mean" and (expected_batch_size is None or expected_batch_size <= 0):
             raise ValueError(
                 "expected_batch_size must be a positive integer with loss_reduction='mean' "
                 f"(got {expected_batch_size}); it is sample_rate * len(dataset)."
             )
-        if secure_mode and generator is not None:
-            raise ValueError(
-                "secure_mode draws noise from the OS CSPRNG and cannot take a seeded generator; "
-                "pass generator=None."
+        if _multi_pass_requested(
+            dict(
+                accum_passes=accum_passes,
+                num_private_passes=num_private_passes,
+                auto_clip_and_accum_on_step=auto_clip_and_accum_on_step,
             )
-        _validate_multi_pass(accum_passes, num_private_passes)
+        ):
+            # the multi-pass variant consumes these; here they reached a class without it
+            why = (
+                "it does not support multi-pass clipping; train with one backward pass per step"
+                if not type(self).supports_multi_pass
+                else "pass it to the optimizer's constructor (not to DPOptimizer.__init__), or "
+                "derive from dptorch.optimizers.multi_pass.MultiPassDPOptimizerMixin"
+            )
+            raise ValueError(
+                f"{type(self).__name__} got a multi-pass option (accum_passes, "
+                f"num_private_passes or auto_clip_and_accum_on_step=False): {why}."
+            )
         self.original_optimizer = optimizer
         self.noise_multiplier = noise_multiplier
         self.loss_reduction = loss_reduction
         self.expected_batch_size = expected_batch_size
         self.generator = generator
         self.secure_mode = secure_mode
-        self.accum_passes = accum_passes
-        self.num_private_passes = num_private_passes
-        self.auto_clip_and_accum_on_step = auto_clip_and_accum_on_step
         self.step_hook: Callable[[DPOptimizer], None] | None = None
         self._step_skip_queue: list[bool] = []
         self._is_last_step_skipped = False
-        self._manual_stage = 0  # 0: nothing done, 1: clipped, 2: folded, 3: accumulated
-        self._folded_passes = 0
         self._summed_bound: float | tuple[float, ...] | None = None  # C of the pending sum
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
@@ -166,12 +217,9 @@ class DPOptimizer(Optimizer):
             p.summed_grad = None
 
     # ------------------------------------------------------------------ the clipping contract
-    @staticmethod
-    def _validate_max_grad_norm(max_grad_norm) -> None:
-        """C must be a positive number (``inf`` disables clipping)."""
-        check_bound(max_grad_norm)
-
-    def _make_contract(self, optimizer: Optimizer, max_grad_norm) -> ClippingContract:
+    def _make_contract(
+        self, optimizer: Optimizer, max_grad_norm: float | list[float]
+    ) -> ClippingContract:
         """The :class:`ClippingContract` this optimizer owns (flat here)."""
         if isinstance(max_grad_norm, (list, tuple)):
             raise ValueError(
@@ -196,27 +244,31 @@ class DPOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ torch.optim plumbing
 
-    def __getattr__(self, item):
+    def __getattr__(self, item: str) -> Any:
         # torch.optim internals (hooks dicts, _opt_called, ...) live on the wrapped optimizer
         if item == "original_optimizer":
             raise AttributeError(item)
         return getattr(self.original_optimizer, item)
 
     @property
-    def state(self):
+    def state(self) -> dict:
+        """The wrapped optimizer's per-parameter state."""
         return self.original_optimizer.state
 
     @state.setter
-    def state(self, value):
+    def state(self, value: dict) -> None:
         self.original_optimizer.state = value
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict`` (the DP settings are saved by the engine)."""
         return self.original_optimizer.state_dict()
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads the wrapped optimizer's state."""
         self.original_optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict) -> None:
+        """Adds a param group to the wrapped optimizer (shared ``param_groups`` list)."""
         self.original_optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -245,12 +297,9 @@ class DPOptimizer(Optimizer):
 
     @property
     def accumulated_iterations(self) -> int:
-        """Number of backward passes accumulated since the last step (1 without accumulation).
-
-        Multi-pass slices are passes over the same batch, not accumulated iterations: they count 1.
-        """
+        """Number of backward passes accumulated since the last step (1 without accumulation)."""
         recs = self.records
-        if len(recs) == 1 and len(recs[0].passes) > 1 and self.accum_passes is None:
+        if len(recs) == 1 and len(recs[0].passes) > 1:
             return len(recs[0].passes)
         vals = set()
         for p in self._params_with_grad_sample():
@@ -265,9 +314,9 @@ class DPOptimizer(Optimizer):
 
     @property
     def noise_scale_factor(self) -> int:
-        """Sensitivity of the clipped sum in units of ``max_grad_norm`` (``num_private_passes``
-        with split clipping, else 1)."""
-        return self.num_private_passes if self.accum_passes is False else 1
+        """Sensitivity of the clipped sum in units of ``max_grad_norm``: one sample changes it by
+        at most one clipped unit (multi-pass split clipping overrides this)."""
+        return 1
 
     @property
     def noise_std(self) -> float:
@@ -277,64 +326,26 @@ class DPOptimizer(Optimizer):
         return self.noise_multiplier * self.max_grad_norm * self.noise_scale_factor
 
     # ------------------------------------------------------------------ the DP-SGD stages
-    def _unit_grad_samples(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """``(p, per-unit gradient (P, B, *p.shape))`` with passes folded when ``accum_passes``."""
+    def _unit_grad_samples(self) -> UnitGrads:
+        """``(p, per-unit gradient (P, B, *p.shape))`` of every parameter with per-sample
+        gradients, aligned by the step record; the units are what gets clipped."""
         params = self._params_with_grad_sample()
         self._check_grad_sample_layout(params)
-        out = []
-        for p, gs, _ in self._unit_views(params):
-            if self.accum_passes:
-                gs = gs.sum(0, keepdim=True)
-            out.append((p, gs))
-        return out
+        return [(p, v) for p, v, _ in self._unit_views(params)]
 
     def _check_grad_sample_layout(self, params: list[nn.Parameter]) -> None:
-        """Refuses per-sample gradients whose layout contradicts the multi-pass settings.
-
-        * ``(n_passes, B, ...)`` gradients need ``accum_passes`` (the noise calibration depends
-          on it), and ``accum_passes`` needs them (else the model is not in multi-pass mode);
-        * ``accum_passes=True`` pairs the passes by sample index, which is only sound when every
-          pass has the same batch size (docs/multi_pass.md);
-        * split clipping: the passes not declared public (``GradSampleModule.public_pass()``)
-          must not outnumber ``num_private_passes``, which the noise is calibrated to.
-        """
-        passes = [r for rec in self.records for r in rec.passes]
-        sizes = {r.batch_size for r in passes if r.batch_size is not None}
-        n_private = len(passes) - sum(r.public for r in passes)
+        """Refuses multi-pass per-sample gradients ``(n_passes, B, ...)``: their noise
+        calibration depends on multi-pass settings this optimizer does not have."""
         for p in params:
-            gs = p.grad_sample
-            multi = isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2
-            if multi and self.accum_passes is None:
+            if _has_pass_axis(p.grad_sample, p):
                 raise ValueError(
                     "Per-sample gradients have a pass axis (n_passes, B, ...) (GradSampleModule("
                     "multi_pass=True)) but the optimizer has accum_passes=None. Choose "
                     "accum_passes=True (sum each sample's passes, clip once) or accum_passes=False "
                     "with num_private_passes (clip every pass, noise x num_private_passes)."
                 )
-            if not multi and self.accum_passes is not None:
-                raise ValueError(
-                    f"accum_passes={self.accum_passes} is set but the per-sample gradients are "
-                    "single-pass (B, ...): wrap the model with GradSampleModule(..., "
-                    "multi_pass=True) or call make_private(..., multi_pass=True)."
-                )
-        if self.accum_passes and len(sizes) > 1:
-            raise ValueError(
-                f"accum_passes=True sums per-sample gradients across passes by batch index, but "
-                f"the passes had different batch sizes {sorted(sizes)}. Pairing sample i of one "
-                "pass with sample i of another is only private when every pass has as many "
-                "samples as the real batch (e.g. generate len(real_batch) fake samples), see "
-                "docs/multi_pass.md. Otherwise use accum_passes=False (split clipping)."
-            )
-        if self.accum_passes is False and n_private > self.num_private_passes:
-            raise ValueError(
-                f"Split clipping: {n_private} backward passes may touch private data but "
-                f"num_private_passes={self.num_private_passes}, so the noise would not cover "
-                "them. Run each pass that depends neither on the private data nor on its batch "
-                "size (e.g. a fixed number of generated samples) inside `with "
-                "model.public_pass():`, or raise num_private_passes. See docs/multi_pass.md."
-            )
 
-    def per_sample_norms(self, unit_grads=None) -> torch.Tensor:
+    def per_sample_norms(self, unit_grads: UnitGrads | None = None) -> torch.Tensor:
         """L2 norm over all parameters of each unit's gradient, ``(P, B)``."""
         unit_grads = self._unit_grad_samples() if unit_grads is None else unit_grads
         if not unit_grads:
@@ -345,7 +356,7 @@ class DPOptimizer(Optimizer):
         )
         return sq.sum(0).sqrt()
 
-    def compute_clip_factors(self, unit_grads=None) -> list[torch.Tensor]:
+    def compute_clip_factors(self, unit_grads: UnitGrads | None = None) -> list[torch.Tensor]:
         """Per-parameter clip factors ``(P, B)``: ``min(1, C / (norm + 1e-6))``."""
         unit_grads = self._unit_grad_samples() if unit_grads is None else unit_grads
         norms = self.per_sample_norms(unit_grads)
@@ -376,105 +387,11 @@ class DPOptimizer(Optimizer):
             )
 
     def _add_to_summed_grad(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        """``p.summed_grad += g`` (``g`` itself when nothing is pending)."""
         if p.summed_grad is None:
             p.summed_grad = g
         else:
             p.summed_grad = p.summed_grad + g
-
-    # manual multi-pass control -------------------------------------------------------------
-    # With auto_clip_and_accum_on_step=False the user runs, once per step and in this order:
-    # clip(), optionally accum_grads_across_passes(), accumulate_batch(), then step(). Between
-    # the stages p.grad_sample holds clipped gradients that may be inspected or edited; the
-    # edits are re-checked against the clipping bound before they reach p.summed_grad.
-    def clip(self) -> None:
-        """Manual stage 1: replaces every ``p.grad_sample`` by its clipped version, each unit
-        scaled to norm <= C (with ``accum_passes=True`` the passes are folded first, so
-        ``p.grad_sample`` becomes ``(1, B, ...)``). Accumulated (list) per-sample gradients keep
-        their list layout."""
-        if self.auto_clip_and_accum_on_step:
-            raise RuntimeError(
-                "clip() is a manual stage: build the optimizer with "
-                "auto_clip_and_accum_on_step=False, or let step() clip and accumulate."
-            )
-        if self._manual_stage != 0:
-            raise RuntimeError(
-                "clip() was already called for this step: call accumulate_batch(), then step()."
-            )
-        self._check_not_consumed()
-        params = self._params_with_grad_sample()
-        self._check_grad_sample_layout(params)
-        for p in params:
-            _check_processed_flag(p.grad_sample)
-        views = self._unit_views(params)
-        unit_grads = [(p, v) for p, v, _ in views]
-        if self.accum_passes:
-            unit_grads = [(p, gs.sum(0, keepdim=True)) for p, gs in unit_grads]
-        factors = self.compute_clip_factors(unit_grads)
-        for (p, gs), f, (_, _, old) in zip(unit_grads, factors, views):
-            scaled = gs * f.to(gs.dtype).view(*f.shape, *([1] * (gs.dim() - 2)))
-            p.grad_sample = _restore_layout(scaled, p, old)
-        for rec in self.records:
-            rec.mark_clipped_in_place()
-        self._manual_stage = 1
-
-    def accum_grads_across_passes(self) -> None:
-        """Optional manual stage 2: folds the pass axis of the clipped per-sample gradients,
-        ``(P, B, ...)`` becomes ``(1, B, ...)`` (each sample's clipped passes summed). The noised
-        sum, and so the privacy, are unchanged."""
-        if self._manual_stage != 1:
-            raise RuntimeError(
-                "accum_grads_across_passes() folds clipped per-sample gradients: call it once, "
-                "after clip() and before accumulate_batch()."
-            )
-        params = self._params_with_grad_sample()
-        self._check_clipped(params)
-        for p in params:
-            gs = p.grad_sample
-            if isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2:
-                self._folded_passes = max(self._folded_passes, gs.shape[0])
-                p.grad_sample = gs.sum(0, keepdim=True)
-        self._manual_stage = 2
-
-    def accumulate_batch(self) -> None:
-        """Manual last stage: adds ``Σ_units p.grad_sample`` (already clipped) to ``p.summed_grad``.
-
-        Raises ``ValueError`` if edits since :meth:`clip` pushed a unit above the clipping bound
-        (the noise would no longer cover it). Terms added to ``p.summed_grad`` by hand are not
-        checked: they must not depend on private data.
-        """
-        if self._manual_stage not in (1, 2):
-            raise RuntimeError(
-                "accumulate_batch() must follow clip() (and optionally "
-                "accum_grads_across_passes()), once per step."
-                if self._manual_stage == 0
-                else "accumulate_batch() was already called for this step; call step() next."
-            )
-        params = self._params_with_grad_sample()
-        self._check_clipped(params)
-        for p, gs, _ in self._unit_views(params):
-            _check_processed_flag(p.grad_sample)
-            self._add_to_summed_grad(p, gs.sum(dim=(0, 1)))
-            _mark_as_processed(p.grad_sample)
-        for rec in self.records:
-            rec.mark_consumed()
-        self._manual_stage = 3
-
-    def _check_clipped(self, params: list[nn.Parameter]) -> None:
-        """Raises ``ValueError`` if a unit of the (clipped) ``p.grad_sample`` exceeds the bound
-        its noise is calibrated to: C, or C times the number of folded passes."""
-        unit_grads = [(p, v) for p, v, _ in self._unit_views(params)]
-        if not unit_grads:
-            return
-        folds = self._folded_passes if self._manual_stage == 2 else 1
-        bound = float(self.max_grad_norm) * max(folds, 1)
-        norms = DPOptimizer.per_sample_norms(self, unit_grads)
-        worst = float(norms.max()) if norms.numel() else 0.0
-        if worst > bound * (1 + 1e-4) + CLIP_EPS:
-            raise ValueError(
-                f"A clipped per-sample gradient now has norm {worst:.6g} > {bound:.6g}: it was "
-                "changed after clip() and the noise no longer covers it. Clip what you add to "
-                "p.grad_sample, or add data-independent terms to p.summed_grad instead."
-            )
 
     # noise, scaling, step --------------------------------------------------------------------
     def add_noise(self) -> None:
@@ -499,6 +416,8 @@ class DPOptimizer(Optimizer):
         self._step_skip_queue.append(do_skip)
 
     def _check_skip_next_step(self, pop_next: bool = True) -> bool:
+        """Whether the next step is to be skipped (``signal_skip_step``); ``pop_next`` consumes
+        the request."""
         if self._step_skip_queue:
             return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
         return False
@@ -511,15 +430,7 @@ class DPOptimizer(Optimizer):
         """Clip, accumulate, noise, scale and run hooks; ``False`` when the step is skipped."""
         self._check_frozen_grads()
         self._check_pending_bound()
-        if self.auto_clip_and_accum_on_step:
-            self.clip_and_accumulate()
-        elif self._manual_stage != 3:
-            raise RuntimeError(
-                "auto_clip_and_accum_on_step=False: call clip(), optionally "
-                "accum_grads_across_passes(), then accumulate_batch() before step()."
-            )
-        self._manual_stage = 0
-        self._folded_passes = 0
+        self.clip_and_accumulate()
         if self._check_skip_next_step():
             self._is_last_step_skipped = True
             return False
@@ -570,7 +481,7 @@ class DPOptimizer(Optimizer):
             if p.summed_grad is None:
                 p.summed_grad = torch.zeros_like(p)
 
-    def step(self, closure: Callable | None = None):
+    def step(self, closure: Callable | None = None) -> Any:
         """One DP-SGD step (skipped steps only accumulate)."""
         if closure is not None:
             with torch.enable_grad():
@@ -579,7 +490,9 @@ class DPOptimizer(Optimizer):
             return self.original_optimizer.step()
         return None
 
-    def _unit_views(self, params: list[nn.Parameter]):
+    def _unit_views(
+        self, params: list[nn.Parameter]
+    ) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | list[torch.Tensor]]]:
         """:func:`_unit_views` aligned by the step record's passes."""
         recs = self.records
         passes = recs[0].passes if len(recs) == 1 else None
@@ -597,8 +510,6 @@ class DPOptimizer(Optimizer):
                 p.summed_grad = None
         if not self._is_last_step_skipped:
             self._summed_bound = None
-        self._manual_stage = 0
-        self._folded_passes = 0
         self.original_optimizer.zero_grad(set_to_none)
 
 
@@ -607,7 +518,7 @@ def _aligned(p: nn.Parameter, passes: list) -> torch.Tensor | list[torch.Tensor]
     pass, zeros ``(B_pass, *p.shape)`` where a pass did not reach ``p``: sample ``i`` of a pass
     must line up with sample ``i`` of the same pass in every parameter."""
     gs = p.grad_sample
-    if len(passes) < 2 or (isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2):
+    if len(passes) < 2 or _has_pass_axis(gs, p):
         return gs
     entries = gs if isinstance(gs, list) else [gs]
     if len(entries) == len(passes):
@@ -641,56 +552,3 @@ def _unit_views(
             v = torch.cat([v, pad], dim=1)
         out.append((p, v, gs))
     return out
-
-
-def _restore_layout(units: torch.Tensor, p: nn.Parameter, old) -> torch.Tensor | list[torch.Tensor]:
-    """Gives clipped ``units`` ``(P, B', ...)`` the layout of ``old`` (the aligned
-    ``p.grad_sample``: a list, a single-pass ``(B, ...)`` or a multi-pass tensor)."""
-    if isinstance(old, list):
-        sizes = [g.shape[0] for g in old]
-        return list(units[0, : sum(sizes)].split(sizes))
-    if old.dim() == p.dim() + 1:
-        return units[0, : old.shape[0]]
-    return units[:, : old.shape[1]]
-
-
-def validate_multi_pass_args(
-    multi_pass: bool, accum_passes: bool | None, num_private_passes: int | None
-) -> None:
-    """Checks the multi-pass arguments of ``make_private`` together (docs/multi_pass.md).
-
-    Raises ``ValueError`` for ``multi_pass=True`` without ``accum_passes``, for
-    ``accum_passes``/``num_private_passes`` without ``multi_pass``, and for the inconsistent
-    ``accum_passes``/``num_private_passes`` pairs rejected by the optimizer.
-    """
-    if multi_pass and accum_passes is None:
-        raise ValueError(
-            "multi_pass=True needs accum_passes: True (sum each sample's gradient over the "
-            "passes, clip once, noise sigma*C) or False with num_private_passes (clip every "
-            "pass, noise sigma*C*num_private_passes). See docs/multi_pass.md."
-        )
-    if not multi_pass and (accum_passes is not None or num_private_passes is not None):
-        raise ValueError(
-            "accum_passes/num_private_passes only apply to multi-pass training: pass "
-            "multi_pass=True as well."
-        )
-    _validate_multi_pass(accum_passes, num_private_passes)
-
-
-def _validate_multi_pass(accum_passes: bool | None, num_private_passes: int | None) -> None:
-    if accum_passes is not None and not isinstance(accum_passes, bool):
-        raise ValueError(f"accum_passes must be True, False or None, got {accum_passes!r}.")
-    if num_private_passes is not None and (
-        isinstance(num_private_passes, bool) or not isinstance(num_private_passes, int)
-    ):
-        raise ValueError(f"num_private_passes must be an int, got {num_private_passes!r}.")
-    if accum_passes is False and (num_private_passes is None or num_private_passes < 1):
-        raise ValueError(
-            "accum_passes=False (split clipping) needs num_private_passes >= 1: the number of "
-            "backward passes per step that touch private data (the noise is scaled by it)."
-        )
-    if accum_passes is not False and num_private_passes is not None:
-        raise ValueError(
-            "num_private_passes is only meaningful with accum_passes=False (split clipping); "
-            "with accum_passes=True each sample is clipped once and the noise is sigma*C."
-        )

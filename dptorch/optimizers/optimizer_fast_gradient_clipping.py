@@ -14,16 +14,13 @@ iteration).
 
 from __future__ import annotations
 
-import logging
-
 import torch
+from torch.optim import Optimizer
 
 from ..grad_sample.step_record import grad_state
 from .ddpoptimizer import DistributedDPOptimizerMixin
 from .optimizer import DPOptimizer, _has_nonzero_grad
 from .perlayeroptimizer import DPPerLayerOptimizer
-
-logger = logging.getLogger(__name__)
 
 
 class DPOptimizerFastGradientClipping(DPOptimizer):
@@ -34,9 +31,21 @@ class DPOptimizerFastGradientClipping(DPOptimizer):
     per-sample gradients, use ``grad_sample_mode="hooks"``.
     """
 
-    def __init__(self, optimizer, *, noise_multiplier, max_grad_norm, expected_batch_size,
-                 loss_reduction: str = "mean", generator=None, secure_mode: bool = False,
-                 **kwargs):
+    #: the multi-pass options are refused by ``__init__`` rather than handled by a variant
+    supports_multi_pass = False
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float | list[float],
+        expected_batch_size: int | None,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+        **kwargs,
+    ):
         for k in ("accum_passes", "num_private_passes"):
             if kwargs.get(k) is not None:
                 raise ValueError(
@@ -65,16 +74,6 @@ class DPOptimizerFastGradientClipping(DPOptimizer):
         """Clipped backward passes accumulated into ``p.grad`` before the last
         :meth:`clip_and_accumulate` (1 without accumulation)."""
         return self._fast_iterations
-
-    def per_sample_norms(self, unit_grads=None) -> torch.Tensor:
-        """Per-sample gradient norms of the last backward pass from the module's norm samplers,
-        ``(1, B)`` (one pass)."""
-        sq = [p._norm_sample.pow(2) for p in self.params if hasattr(p, "_norm_sample")]
-        if not sq:
-            return torch.zeros(1, 0)
-        b = max(s.shape[0] for s in sq)
-        total = sum(torch.nn.functional.pad(s, (0, b - s.shape[0])) for s in sq)
-        return total.sqrt().unsqueeze(0)
 
     def clip_and_accumulate(self) -> None:
         """``p.summed_grad += p.grad`` (the clipped sum left by the backward pass(es)), then
@@ -136,6 +135,8 @@ class DPOptimizerFastGradientClipping(DPOptimizer):
             rec.mark_consumed()
 
     def _manual_unsupported(self, *_, **__):
+        """The manual stages of multi-pass training (``clip``, ``accumulate_batch``,
+        ``accum_grads_across_passes``) need per-sample gradients: ``NotImplementedError``."""
         raise NotImplementedError(
             "Manual clipping stages need per-sample gradients, which the fast-clipping modes do "
             "not materialise; use grad_sample_mode='hooks'."
@@ -166,7 +167,8 @@ class DistributedDPPerLayerOptimizerFastGradientClipping(
     """Distributed per-layer clipping for ``grad_sample_mode="bk"``."""
 
 
-def _fmt(bound) -> str:
+def _fmt(bound: float | tuple[float, ...]) -> str:
+    """A bound (or per-layer bounds) for an error message."""
     if isinstance(bound, tuple):
         return "(" + ", ".join(f"{c:g}" for c in bound) + ")"
     return f"{bound:g}"

@@ -6,7 +6,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..clipping import ClippingContract
-from .optimizer import DPOptimizer
+from .optimizer import DPOptimizer, UnitGrads
 
 __all__ = ["DPPerLayerOptimizer"]
 
@@ -50,7 +50,8 @@ class DPPerLayerOptimizer(DPOptimizer):
             **kwargs,
         )
 
-    def _make_contract(self, optimizer: Optimizer, max_grad_norm) -> ClippingContract:
+    def _make_contract(self, optimizer: Optimizer, max_grad_norm: list[float]) -> ClippingContract:
+        """A per-parameter :class:`ClippingContract`: one bound per trainable parameter."""
         trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if isinstance(max_grad_norm, (int, float)) or not hasattr(max_grad_norm, "__len__"):
             raise ValueError(
@@ -68,7 +69,7 @@ class DPPerLayerOptimizer(DPOptimizer):
     def max_grad_norms(self, values: list[float]) -> None:
         self.clipping.max_grad_norms = values
 
-    def compute_clip_factors(self, unit_grads=None) -> list[torch.Tensor]:
+    def compute_clip_factors(self, unit_grads: UnitGrads | None = None) -> list[torch.Tensor]:
         """Per-parameter factors ``min(1, C_i / (‖g_i‖ + 1e-6))``, each ``(P, B)``."""
         unit_grads = self._unit_grad_samples() if unit_grads is None else unit_grads
         return [

@@ -7,7 +7,7 @@ import torch
 from mp_helpers import IN_DIM, make_disc, make_optimizer, reference_sum, run_passes
 
 from dptorch import GradSampleModule
-from dptorch.optimizers.optimizer import validate_multi_pass_args
+from dptorch.optimizers.multi_pass import validate_multi_pass_args
 
 
 def _passes(sizes, seed=0, scale=3.0):

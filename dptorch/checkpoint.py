@@ -1,0 +1,201 @@
+"""Checkpoints of a DP training run: model, optimizer with its DP settings, accountant,
+schedulers and the random generator states, so that a resumed run continues bit for bit.
+
+``PrivacyEngine.save_checkpoint`` / ``load_checkpoint`` (Opacus signatures) call
+:func:`save_checkpoint` / :func:`load_checkpoint` with the engine's accountant.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import IO, Any, BinaryIO
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .accountants import IAccountant
+from .grad_sample import AbstractGradSampleModule
+from .optimizers import DPOptimizer
+from .optimizers.arguments import is_real_number
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+Path = str | os.PathLike | BinaryIO | IO[bytes]
+
+_GSM_PREFIX = "_module."
+# DP hyper-parameters that schedules and adaptive clipping change during training
+_DP_SETTINGS = ("noise_multiplier", "unclipped_num", "sample_size")
+
+
+def save_checkpoint(
+    *,
+    path: Path,
+    module: nn.Module,
+    accountant: IAccountant,
+    optimizer: DPOptimizer | None = None,
+    noise_scheduler: Any = None,
+    grad_clip_scheduler: Any = None,
+    checkpoint_dict: dict[str, Any] | None = None,
+    module_state_dict_kwargs: dict[str, Any] | None = None,
+    torch_save_kwargs: dict[str, Any] | None = None,
+    data_loader: DataLoader | None = None,
+) -> None:
+    """Saves model, optimizer (with its DP settings), accountant, schedulers and the random
+    generator states (global torch RNG, noise generator, ``data_loader``'s sampling) to ``path``,
+    with the entries of ``checkpoint_dict``."""
+    ckpt = dict(checkpoint_dict or {})
+    ckpt["module_state_dict"] = module.state_dict(**(module_state_dict_kwargs or {}))
+    ckpt["privacy_accountant_state_dict"] = accountant.state_dict()
+    if optimizer is not None:
+        ckpt["optimizer_state_dict"] = optimizer.state_dict()
+        if isinstance(optimizer, DPOptimizer):
+            ckpt["dp_optimizer_state"] = _dp_settings(optimizer)
+    if noise_scheduler is not None:
+        ckpt["noise_scheduler_state_dict"] = noise_scheduler.state_dict()
+    if grad_clip_scheduler is not None:
+        ckpt["grad_clip_scheduler_state_dict"] = grad_clip_scheduler.state_dict()
+    ckpt["rng_state"] = _rng_state(optimizer, data_loader)
+    torch.save(ckpt, path, **(torch_save_kwargs or {}))
+
+
+def load_checkpoint(
+    *,
+    path: Path,
+    module: nn.Module,
+    accountant: IAccountant,
+    optimizer: DPOptimizer | None = None,
+    noise_scheduler: Any = None,
+    grad_clip_scheduler: Any = None,
+    map_location: Any = None,
+    module_load_dict_kwargs: dict[str, Any] | None = None,
+    torch_load_kwargs: dict[str, Any] | None = None,
+    data_loader: DataLoader | None = None,
+    restore_rng_state: bool = True,
+) -> dict[str, Any]:
+    """Restores what :func:`save_checkpoint` saved into the given objects; returns the remaining
+    entries of the checkpoint (user data). A checkpoint of another clipping kind is refused
+    before anything is loaded. The file is unpickled (``weights_only=False``): trusted files
+    only."""
+    load_kwargs = {"weights_only": False, **(torch_load_kwargs or {})}
+    if map_location is not None:
+        load_kwargs["map_location"] = map_location
+    ckpt = torch.load(path, **load_kwargs)
+    clip_state = (ckpt.get("dp_optimizer_state") or {}).get("clipping")
+    if isinstance(optimizer, DPOptimizer) and clip_state is not None:
+        optimizer.clipping.check_state_dict(clip_state)  # before anything is loaded
+    state = _match_gsm_prefix(ckpt.pop("module_state_dict"), module)
+    module.load_state_dict(state, **(module_load_dict_kwargs or {}))
+    accountant.load_state_dict(ckpt.pop("privacy_accountant_state_dict"))
+    opt_state = ckpt.pop("optimizer_state_dict", None)
+    dp_state = ckpt.pop("dp_optimizer_state", None)
+    if optimizer is not None and opt_state:
+        optimizer.load_state_dict(opt_state)
+        if dp_state and isinstance(optimizer, DPOptimizer):
+            _load_dp_settings(optimizer, dp_state)
+    elif (optimizer is not None) != bool(opt_state):
+        warnings.warn(
+            "The checkpoint has "
+            + ("no optimizer state" if optimizer is not None else "an optimizer state")
+            + " but an optimizer was "
+            + ("" if optimizer is not None else "not ")
+            + "given.",
+            stacklevel=3,
+        )
+    for key, sched in (
+        ("noise_scheduler_state_dict", noise_scheduler),
+        ("grad_clip_scheduler_state_dict", grad_clip_scheduler),
+    ):
+        sd = ckpt.pop(key, None)
+        if sched is not None and sd:
+            sched.load_state_dict(sd)
+    rng = ckpt.pop("rng_state", None)
+    if restore_rng_state and rng is not None:
+        _load_rng_state(rng, optimizer, data_loader)
+    return ckpt
+
+
+def _rng_state(
+    optimizer: DPOptimizer | None, data_loader: DataLoader | None
+) -> dict[str, torch.Tensor]:
+    """The states of the global torch RNG, the noise generator and the loader's generators."""
+    state = {"torch": torch.get_rng_state()}
+    gen = getattr(optimizer, "generator", None)
+    if isinstance(gen, torch.Generator):
+        state["noise_generator"] = gen.get_state()
+    if data_loader is not None:
+        for key, gen in _loader_generators(data_loader).items():
+            state[key] = gen.get_state()
+    return state
+
+
+def _load_rng_state(
+    state: dict[str, torch.Tensor], optimizer: DPOptimizer | None, data_loader: DataLoader | None
+) -> None:
+    """Restores what :func:`_rng_state` saved."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if data_loader is not None:
+        for key, gen in _loader_generators(data_loader).items():
+            if key in state:
+                gen.set_state(state[key])
+    # last: the noise generator may also be the sampler's, and was saved after it
+    noise_gen = getattr(optimizer, "generator", None)
+    if isinstance(noise_gen, torch.Generator) and "noise_generator" in state:
+        noise_gen.set_state(state["noise_generator"])
+
+
+def _dp_settings(optimizer: DPOptimizer) -> dict[str, Any]:
+    """DP hyper-parameters that schedules / adaptive clipping change during training: the noise
+    multiplier, AdaClip's counts, and the clipping contract's bound(s)."""
+    out: dict[str, Any] = {"clipping": optimizer.clipping.state_dict()}
+    for k in _DP_SETTINGS:
+        if k in optimizer.__dict__:
+            v = getattr(optimizer, k)
+            out[k] = float(v) if is_real_number(v) else v
+    return out
+
+
+def _load_dp_settings(optimizer: DPOptimizer, state: dict[str, Any]) -> None:
+    """Restores what :func:`_dp_settings` saved (or the bounds of an older checkpoint)."""
+    state = dict(state)
+    clipping = state.pop("clipping", None)
+    if clipping is not None:
+        optimizer.clipping.load_state_dict(clipping)
+    else:  # checkpoints written before the clipping contract
+        norms = state.pop("max_grad_norms", None)
+        flat = state.pop("max_grad_norm", None)
+        if norms is not None and optimizer.clipping.per_layer:
+            optimizer.clipping.max_grad_norms = norms
+        elif flat is not None:
+            optimizer.clipping.max_grad_norm = flat
+    for k, v in state.items():
+        setattr(optimizer, k, v)
+
+
+def _loader_generators(data_loader: DataLoader) -> dict[str, torch.Generator]:
+    """The generators whose state determines a loader's future batches."""
+    out = {}
+    for key, obj in (
+        ("sampler_generator", data_loader.batch_sampler),
+        ("sampler_generator", getattr(data_loader.batch_sampler, "sampler", None)),
+        ("sampler_generator", data_loader.sampler),
+        ("loader_generator", data_loader),
+    ):
+        gen = getattr(obj, "generator", None)
+        if isinstance(gen, torch.Generator) and key not in out:
+            out[key] = gen
+    return out
+
+
+def _match_gsm_prefix(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """Adds or strips the GradSampleModule ``_module.`` prefix so a checkpoint of a wrapped
+    model loads into a plain one and vice versa."""
+    wants = isinstance(module, AbstractGradSampleModule)
+    has = bool(state) and all(k.startswith(_GSM_PREFIX) for k in state)
+    if wants and not has:
+        return {_GSM_PREFIX + k: v for k, v in state.items()}
+    if has and not wants:
+        return {k[len(_GSM_PREFIX) :]: v for k, v in state.items()}
+    return state
