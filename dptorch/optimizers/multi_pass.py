@@ -24,19 +24,22 @@ and adds the manual stages :meth:`~MultiPassDPOptimizerMixin.clip`,
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..clipping import CLIP_EPS
-from .optimizer import (
-    DPOptimizer,
+from .unit_grads import (
     UnitGrads,
     _check_processed_flag,
     _has_pass_axis,
     _mark_as_processed,
+    flat_norms,
 )
+
+if TYPE_CHECKING:
+    from .optimizer import DPOptimizer
 
 __all__ = ["MultiPassDPOptimizerMixin", "multi_pass_variant", "validate_multi_pass_args"]
 
@@ -257,7 +260,7 @@ class MultiPassDPOptimizerMixin:
         folds = self._folded_passes if self._manual_stage == _FOLDED else 1
         bound = float(self.max_grad_norm) * max(folds, 1)
         # the flat norm of a unit, whatever a subclass computes for its clip factors
-        norms = DPOptimizer.per_sample_norms(self, unit_grads)
+        norms = flat_norms(unit_grads)
         worst = float(norms.max()) if norms.numel() else 0.0
         if worst > bound * (1 + 1e-4) + CLIP_EPS:
             raise ValueError(

@@ -12,7 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ._poisson import check_secure_generator, poisson_mask, resolve_steps, validate_sample_rate
+from ._poisson import (
+    as_index_tensor,
+    check_secure_generator,
+    poisson_mask,
+    resolve_steps,
+    validate_sample_rate,
+)
 
 _SEED_BOUND = 2**63 - 1
 
@@ -99,8 +105,6 @@ class DistributedUniformWithReplacementSampler(Sampler[list[int]]):
         self.generator = generator
         self.num_samples = len(range(rank, total_size, num_replicas))
         if indices is not None:
-            from .uniform_sampler import as_index_tensor  # uniform_sampler imports this module
-
             indices = as_index_tensor(indices, size=total_size)
         self.indices = indices
 

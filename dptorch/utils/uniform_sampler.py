@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Sampler
 
 from ._poisson import (
+    as_index_tensor,
     check_secure_generator,
     poisson_mask,
     resolve_steps,
@@ -27,40 +28,6 @@ __all__ = [
     "steps_for_sample_rate",
     "as_index_tensor",
 ]
-
-
-def as_index_tensor(
-    indices: Sequence[int] | torch.Tensor, *, size: int, name: str = "indices"
-) -> torch.Tensor:
-    """``indices`` as a 1-D ``torch.long`` tensor, checked to be ``size`` distinct integers.
-
-    A record listed twice would be included twice in a Poisson batch, doubling its influence on
-    the gradient (the accountant assumes each record's inclusion is one Bernoulli draw):
-    duplicates raise ``ValueError``, as do non-integer values and a length other than ``size``.
-    """
-    if isinstance(indices, torch.Tensor):
-        t = indices.detach().cpu().reshape(-1)
-    else:
-        values = list(indices)
-        if any(isinstance(i, bool) for i in values):
-            raise ValueError(f"{name} must be integers, got booleans in {type(indices).__name__}.")
-        t = torch.as_tensor(values) if values else torch.zeros(0, dtype=torch.long)
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be integers, got values of dtype {t.dtype}.")
-    t = t.to(torch.long)
-    if t.numel() != size:
-        raise ValueError(
-            f"{name}: {t.numel()} entries, but the sampler's size is {size}; it must be "
-            "len(indices)."
-        )
-    values, counts = t.unique(return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(
-            f"{name} contain some records more than once (e.g. {values[counts > 1][:5].tolist()}):"
-            " Poisson sampling would put such a record several times in one batch, which the "
-            "privacy accounting does not allow. Remove the duplicates."
-        )
-    return t
 
 
 class UniformWithReplacementSampler(Sampler[list[int]]):

@@ -128,6 +128,10 @@ def test_cleanup_removes_hooks_and_attributes():
 def test_cleanup_of_other_modes(mode):
     model = _model()
     gsm = wrap_model(model, mode)
+    x = torch.randn(5, 4)
+    gsm(x).sum().backward()
+    # ew computes per-sample gradients; no_op leaves them to the user
+    assert all(hasattr(p, "grad_sample") == (mode == "ew") for p in model.parameters())
     gsm.cleanup()
     gsm.remove_hooks()  # idempotent
     model(torch.randn(5, 4)).sum().backward()

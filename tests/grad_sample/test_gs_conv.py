@@ -50,11 +50,6 @@ def test_conv_matches_brute_force(n, mode, loss_reduction, data):
     assert_grad_samples_match(layer, (x,), mode, loss_reduction=loss_reduction)
 
 
-@pytest.mark.parametrize("mode", ["hooks", "functorch"])
-def test_conv_batch_first_false_not_meaningful(mode):
-    pytest.skip("ConvNd requires its batch at dim 0, so batch_first=False cannot describe it")
-
-
 def test_conv_in_a_network_with_frozen_first_layer():
     torch.manual_seed(1)
     model = nn.Sequential(
