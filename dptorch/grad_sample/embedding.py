@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm_samplers import ParamDict, positions, sample_norms, wants_grad
+from .norm_samplers import Factors, ParamDict, positions, sample_norms, wants_grad
 from .registry import LayerRule, register_layer_rule
 
 
@@ -117,6 +117,13 @@ def _bags(
     return ids, bag_of, n_bags
 
 
+_BAG_FREQ = (
+    "EmbeddingBag(scale_grad_by_freq=True) has no per-sample gradient in hooks, ghost or bk mode "
+    "(PyTorch scales a bag's gradient by frequencies over the whole batch, not per sample); set "
+    "scale_grad_by_freq=False or use grad_sample_mode='functorch'."
+)
+
+
 def compute_embeddingbag_grad_sample(
     layer: nn.EmbeddingBag, activations: Sequence, backprops: torch.Tensor
 ) -> dict[nn.Parameter, torch.Tensor]:
@@ -141,10 +148,7 @@ def compute_embeddingbag_grad_sample(
             "mode='sum' or 'mean'."
         )
     if layer.scale_grad_by_freq:
-        raise NotImplementedError(
-            "EmbeddingBag(scale_grad_by_freq=True) has no per-sample gradient sampler (PyTorch's "
-            "own frequency scaling for bags is not a per-entry count); set it to False."
-        )
+        raise NotImplementedError(_BAG_FREQ)
     args = list(activations) + [None] * (3 - len(activations))
     ids, offsets, weights = args[:3]
     flat_ids, bag_of, n_bags = _bags(ids, offsets, layer.include_last_offset)
@@ -262,6 +266,25 @@ def embedding_clipped_sum(
     return {layer.weight: grad}
 
 
+def embedding_factors(
+    layer: nn.Embedding, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, Factors]:
+    """``weight``: ``Σ_t e_{i_t} g_tᵀ`` as ``(ids, g)`` (see :class:`Factors`), ``g`` zero at
+    ``padding_idx`` and divided by the per-sample frequency with ``scale_grad_by_freq``."""
+    if not wants_grad(layer.weight):
+        return {}
+    b = backprops.shape[0]
+    ids = activations[0].reshape(b, -1)
+    values = backprops.reshape(b, ids.shape[1], layer.embedding_dim)
+    if layer.padding_idx is not None:
+        values = values * (ids != layer.padding_idx).unsqueeze(-1).to(values.dtype)
+    if layer.scale_grad_by_freq:
+        sample_of = torch.arange(b, device=ids.device)[:, None] * layer.num_embeddings
+        _, inverse, counts = torch.unique(sample_of + ids, return_inverse=True, return_counts=True)
+        values = values / counts.to(values.dtype)[inverse].unsqueeze(-1)
+    return {layer.weight: Factors(v=values, ids=ids)}
+
+
 def compute_embeddingbag_norm_sq_sample(
     layer: nn.EmbeddingBag, activations: Sequence, backprops: torch.Tensor
 ) -> ParamDict:
@@ -273,6 +296,8 @@ def compute_embeddingbag_norm_sq_sample(
         raise NotImplementedError(
             f"EmbeddingBag(mode={layer.mode!r}) has no per-sample gradient; use 'sum' or 'mean'."
         )
+    if layer.scale_grad_by_freq:
+        raise NotImplementedError(_BAG_FREQ)
     args = list(activations) + [None] * (3 - len(activations))
     ids, offsets, weights = args[:3]
     flat_ids, bag_of, n_bags = _bags(ids, offsets, layer.include_last_offset)
@@ -289,7 +314,7 @@ def compute_embeddingbag_norm_sq_sample(
         coef = coef * weights.reshape(-1).to(coef.dtype)
     rows, row_bag = _grouped_row_sums(
         bag_of, flat_ids, coef[:, None] * backprops[bag_of], layer.num_embeddings,
-        layer.scale_grad_by_freq,
+        False,
     )
     out = backprops.new_zeros(b).index_add_(0, row_bag, rows.pow(2).sum(1))
     return {layer.weight: out}
@@ -318,6 +343,15 @@ def _always(layer: nn.Module, activations: Sequence, backprops: torch.Tensor) ->
     return True
 
 
+def _frequency_over_the_batch(layer: nn.Embedding) -> str | None:
+    if layer.scale_grad_by_freq and layer.weight.requires_grad:
+        return (
+            "scale_grad_by_freq=True divides each row's gradient by the index's frequency in the "
+            "whole batch, so one sample's contribution depends on the others"
+        )
+    return None
+
+
 EMBEDDING_RULE = register_layer_rule(
     nn.Embedding,
     LayerRule(
@@ -326,6 +360,8 @@ EMBEDDING_RULE = register_layer_rule(
         clipped_sum=embedding_clipped_sum,
         input_grad_only=embedding_input_grad_only,
         prefer_ghost=_always,
+        factors=embedding_factors,
+        batch_grad_not_a_sum=_frequency_over_the_batch,
     ),
 )
 EMBEDDING_BAG_RULE = register_layer_rule(

@@ -43,6 +43,11 @@ from .registry import input_grad_only_forward, prefer_ghost, rule_for
 logger = logging.getLogger(__name__)
 
 
+def weighted_sum(c: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """``Σ_b c_b gs_b``: the clipped sum of an instantiated per-sample gradient ``(B, ...)``."""
+    return torch.tensordot(c, gs, dims=1)
+
+
 # ----------------------------------------------------------------------------- the module
 class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     """One-backward-pass DP clipping: after ``loss.backward()``, ``p.grad`` holds (on top of its
@@ -57,6 +62,8 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     A gradient that autograd computes for a parameter outside the hooked calls (a weight used
     functionally) is refused with ``ValueError`` instead of being released or dropped.
     """
+
+    autograd_forms_clipped_sum = False
 
     def __init__(self, m: nn.Module, **kwargs):
         self._bk_handles: list = []
@@ -145,6 +152,8 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     def _use_norm_sampler(self, module, activations, backprops) -> bool:
         if not super()._use_norm_sampler(module, activations, backprops):
             return False
+        if not self._single_call(module):
+            return True  # factored (tied) parameters: every call of the group takes this path
         if prefer_ghost(module, activations, backprops):
             return True
         # instantiation is cheaper: keep the per-sample gradient (it also gives the clipped sum
@@ -195,14 +204,17 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             gs = getattr(p, "_current_grad_sample", None)
             if gs is not None:
                 c = coef[id(p)][: gs.shape[0]].to(gs.dtype)
-                add(p, torch.tensordot(c, gs, dims=1))
+                add(p, weighted_sum(c, gs))
                 del p._current_grad_sample
         for module, activations, backprops, kwargs in records:
             for p, g in self._clipped_sum(module, activations, backprops, kwargs, coef, b).items():
                 add(p, g)
         for p, g in sums.values():
             g = g.to(p.dtype).view_as(p)
-            p.grad = g if p.grad is None else p.grad + g
+            if p.grad is None:
+                p.grad = g
+            else:  # in place, as autograd accumulates: no second parameter-sized tensor
+                p.grad.add_(g)
         self.mark_clipped_pass(contract.snapshot())
 
     def _clipped_sum(self, module, activations, backprops, kwargs, coef, b) -> dict:

@@ -18,7 +18,7 @@ How many calls touch a parameter is counted in the forward hooks; over-counting 
 without backward) only makes the result take the (exact) instantiation path.
 
 The clipped update needs a second backward pass of ``Σ_b c_b · loss_b`` with the clip factors
-``c_b = min(1, C / (‖g_b‖ + 1e-6))`` (hooks off): :class:`~dptorch.utils.fast_gradient_clipping_utils.DPLossFastGradientClipping`
+``c_b = min(1, C / (‖g_b‖ + 1e-6))`` (hooks off): :class:`~dptorch.grad_sample.fast_clipping_loss.DPLossFastGradientClipping`
 packages both passes in ``loss.backward()``. The first pass differentiates only with respect
 to the layers' outputs (``torch.autograd.grad(loss, outputs)``), so autograd skips every weight
 gradient there and ``p.grad`` is untouched: gradient accumulation over several physical batches
@@ -38,6 +38,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from ..clipping import ClippingContract
 from .grad_sample_module import GradSampleModule
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
+from .norm_samplers import Factors, factor_inner
 from .registry import rule_for
 from .step_record import PassRecord, grad_state
 
@@ -49,6 +50,15 @@ def _pad_to(t: torch.Tensor, n: int) -> torch.Tensor:
     if t.shape[0] >= n:
         return t
     return torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))])
+
+
+def _pad_factors(f: Factors, n: int) -> Factors:
+    """``f`` with zero rows appended up to ``n`` samples (zero gradients)."""
+    return Factors(
+        v=_pad_to(f.v, n),
+        u=None if f.u is None else _pad_to(f.u, n),
+        ids=None if f.ids is None else _pad_to(f.ids, n),
+    )
 
 
 class GradSampleModuleFastGradientClipping(GradSampleModule):
@@ -68,6 +78,9 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     After a backward pass: ``p._norm_sample`` ``(B,)`` per parameter and
     ``per_sample_gradient_norms`` ``(B,)`` over all parameters. ``p.grad_sample`` is never set.
     """
+
+    #: the second backward pass leaves the clipped sum to autograd (ghost); bk forms it itself
+    autograd_forms_clipped_sum = True
 
     def __init__(
         self,
@@ -97,6 +110,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         self.use_ghost_clipping = use_ghost_clipping
         self._norm_sq: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self._call_counts: dict[int, int] = {}
+        self._callers: dict[int, list[nn.Module]] = {}
+        self._factors: dict[int, list] = {}
         self._outputs: list[GradientEdge] = []
         self._per_sample_gradient_norms: torch.Tensor | None = None
         self._keep_output_edges = True
@@ -173,6 +188,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         super().cleanup()
         self._outputs.clear()
         self._call_counts.clear()
+        self._callers.clear()
+        self._factors.clear()
 
     # ------------------------------------------------------------------ capture
     def capture_activations_hook(
@@ -180,21 +197,43 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     ) -> None:
         """Counts the calls touching each parameter and keeps the output's gradient edge (a
         target of the norm pass, :meth:`norm_backward`; released at the end of the next
-        backward pass or by ``zero_grad``)."""
+        backward pass or by ``zero_grad``). Refuses a layer whose batch gradient autograd would
+        not form as the clipped sum (:attr:`autograd_forms_clipped_sum`)."""
+        if self.autograd_forms_clipped_sum:
+            self._refuse_if_batch_grad_not_a_sum(module)
         for p in self.sampled_params(module):
             self._call_counts[id(p)] = self._call_counts.get(id(p), 0) + 1
+            callers = self._callers.setdefault(id(p), [])
+            if not any(m is module for m in callers):
+                callers.append(module)
         if self._keep_output_edges:
             self._outputs.append(get_gradient_edge(_forward_output))
+
+    def _refuse_if_batch_grad_not_a_sum(self, module: nn.Module) -> None:
+        rule = rule_for(module)
+        check = rule.batch_grad_not_a_sum if rule is not None else None
+        reason = check(module) if check is not None and self.sampled_params(module) else None
+        if reason:
+            name = self._module_names.get(id(module), type(module).__name__)
+            raise NotImplementedError(
+                f"{type(module).__name__} '{name}': ghost clipping lets autograd form the clipped "
+                f"sum in its second backward pass, but {reason}; the released gradient would not "
+                "be a sum of clipped per-sample gradients. Use grad_sample_mode='bk' or 'hooks', "
+                "which compute this layer's per-sample contribution exactly."
+            )
 
     def _process_call(self, module, activations, backprops, kwargs, max_batch_len: int) -> None:
         """Adds this call's squared per-sample norms (norm sampler) or per-sample gradients
         (instantiation, summed over calls) to the pass's state."""
         if self._use_norm_sampler(module, activations, backprops):
             ids = {id(p) for p in self.sampled_params(module)}
-            for p, sq in rule_for(module).norm_sq(module, activations, backprops).items():
+            rule = rule_for(module)
+            for p, sq in rule.norm_sq(module, activations, backprops).items():
                 if id(p) in ids:
                     self._add_norm_sq(p, _pad_to(sq, max_batch_len))
                     self._pass.covered.add(id(p))
+            if not self._single_call(module):
+                self._add_cross_terms(module, rule, activations, backprops, ids, max_batch_len)
             self._record_call(module, activations, backprops, kwargs)
         else:
             super()._process_call(module, activations, backprops, kwargs, max_batch_len)
@@ -203,13 +242,60 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         """Whether every sampled parameter of ``module`` was used by exactly one call."""
         return all(self._call_counts.get(id(p), 0) <= 1 for p in self.sampled_params(module))
 
+    #: a parameter used by more calls than this (a recurrent cell's T steps) is instantiated:
+    #: the cross terms grow with the number of pairs of calls
+    MAX_FACTORED_CALLS = 4
+
+    def _factorable(self, module: nn.Module) -> bool:
+        """Whether the parameters of ``module`` used by several calls (tied weights, a layer
+        called twice) take the factored path: every layer that shares a parameter with
+        ``module``, directly or through another shared parameter, has a rule with ``norm_sq``
+        and ``factors``, and no such parameter has more than :attr:`MAX_FACTORED_CALLS` calls.
+        The decision is the same for every call of the group (a group never mixes the factored
+        and the instantiated path). The squared norm of a summed per-sample gradient is then the
+        calls' norms plus their cross terms (:meth:`_add_cross_terms`), with nothing of size
+        ``(B, *p.shape)`` built."""
+        seen_modules: set[int] = set()
+        todo = [module]
+        while todo:
+            m = todo.pop()
+            if id(m) in seen_modules:
+                continue
+            seen_modules.add(id(m))
+            rule = rule_for(m)
+            if rule is None or rule.factors is None or rule.norm_sq is None:
+                return False
+            for p in self.sampled_params(m):
+                n = self._call_counts.get(id(p), 0)
+                if n > self.MAX_FACTORED_CALLS:
+                    return False
+                if n > 1:
+                    todo.extend(self._callers.get(id(p), ()))
+        return True
+
     def _use_norm_sampler(self, module: nn.Module, activations, backprops) -> bool:
         return (
             self.use_ghost_clipping
             and not self.force_functorch
             and getattr(rule_for(module), "norm_sq", None) is not None
-            and self._single_call(module)
+            and (self._single_call(module) or self._factorable(module))
         )
+
+    def _add_cross_terms(self, module, rule, activations, backprops, ids, max_batch_len) -> None:
+        """For each parameter of this call used by several calls: ``2⟨G_this, G_k⟩`` per sample
+        with every earlier call ``k`` of the pass, from the calls' factors."""
+        shared = {i for i in ids if self._call_counts.get(i, 0) > 1}
+        for p, f in rule.factors(module, activations, backprops).items():
+            if id(p) not in shared:
+                continue
+            earlier = self._factors.setdefault(id(p), [])
+            for h in earlier:
+                cross = factor_inner(f, h) if f.v.shape[0] == h.v.shape[0] else None
+                if cross is None:  # padded (recurrent) calls: align the rows first
+                    n = max(f.v.shape[0], h.v.shape[0])
+                    cross = factor_inner(_pad_factors(f, n), _pad_factors(h, n))
+                self._add_norm_sq(p, _pad_to(2 * cross, max_batch_len))
+            earlier.append(f)
 
     def _record_call(self, module, activations, backprops, kwargs) -> None:
         """Hook for subclasses that need the call's ``(A, G)`` after the norms (book-keeping)."""
@@ -232,6 +318,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 del p._current_grad_sample
         norm_sq, self._norm_sq = list(self._norm_sq.values()), {}
         self._call_counts.clear()
+        self._callers.clear()
+        self._factors.clear()
         self._outputs.clear()
         self._publish_norms(norm_sq, rec.batch_size)
         self._after_norms(norm_sq, rec)

@@ -18,7 +18,14 @@ import torch
 from torch import nn
 
 from .linear import _gram_norms
-from .norm_samplers import ParamDict, ghost_is_cheaper, positions, sq_norms, wants_grad
+from .norm_samplers import (
+    Factors,
+    ParamDict,
+    ghost_is_cheaper,
+    positions,
+    sq_norms,
+    wants_grad,
+)
 from .registry import LayerRule, register_layer_rule
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -74,6 +81,19 @@ def conv1d_clipped_sum(
     return ret
 
 
+def conv1d_factors(
+    layer: nn.Module, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, Factors]:
+    """``weight``: ``Σ_t a_t g_tᵀ``; ``bias``: ``Σ_t g_t · 1`` (a tied use, see :class:`Factors`)."""
+    a, g = _flat(layer, activations, backprops)
+    ret = {}
+    if wants_grad(layer.weight):
+        ret[layer.weight] = Factors(u=a, v=g)
+    if wants_grad(layer.bias):
+        ret[layer.bias] = Factors(u=g, v=g.new_ones(*g.shape[:2], 1))
+    return ret
+
+
 class _Conv1DInputGradOnly(torch.autograd.Function):
     """``x W + b`` whose backward returns only ``∂L/∂x = G Wᵀ``."""
 
@@ -109,5 +129,6 @@ CONV1D_RULE = register_layer_rule(
         clipped_sum=conv1d_clipped_sum,
         input_grad_only=conv1d_input_grad_only,
         prefer_ghost=conv1d_prefers_ghost,
+        factors=conv1d_factors,
     ),
 )

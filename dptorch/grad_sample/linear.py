@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norm_samplers import (
+    Factors,
     ParamDict,
     ghost_is_cheaper,
     positions,
@@ -95,6 +96,22 @@ def linear_clipped_sum(
     return ret
 
 
+def linear_factors(
+    layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, Factors]:
+    """``weight``: ``Σ_t g_t a_tᵀ``; ``bias``: ``Σ_t g_t · 1`` (a tied use, see :class:`Factors`)."""
+    a = activations[0]
+    b = backprops.shape[0]
+    t = positions(a)
+    g3 = backprops.reshape(b, t, layer.out_features)
+    ret = {}
+    if wants_grad(layer.weight):
+        ret[layer.weight] = Factors(u=g3, v=a.reshape(b, t, layer.in_features))
+    if wants_grad(layer.bias):
+        ret[layer.bias] = Factors(u=g3, v=g3.new_ones(b, t, 1))
+    return ret
+
+
 class _LinearInputGradOnly(torch.autograd.Function):
     """``F.linear(x, w, b)`` whose backward returns only ``∂L/∂x = G w``."""
 
@@ -128,5 +145,6 @@ LINEAR_RULE = register_layer_rule(
         clipped_sum=linear_clipped_sum,
         input_grad_only=linear_input_grad_only,
         prefer_ghost=linear_prefers_ghost,
+        factors=linear_factors,
     ),
 )

@@ -15,6 +15,7 @@ matrices instead of the ``d_out × d_in`` gradient. :func:`ghost_is_cheaper` pic
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,6 +23,38 @@ from torch import nn
 from .unit_params import unit_parameters
 
 ParamDict = dict[nn.Parameter, torch.Tensor]
+
+
+@dataclass
+class Factors:
+    """One call's per-sample gradient of a parameter viewed as a matrix ``(r, c)``, in factored
+    form ``G_b = Σ_t u_{bt} v_{btᵀ}`` over the call's ``T`` positions.
+
+    ``v``: ``(B, T, c)``. Either ``u``: ``(B, T, r)`` (dense: Linear's ``u = g``, ``v = a``) or
+    ``ids``: ``(B, T)`` integer rows of a one-hot ``u`` (Embedding: ``v`` the output gradient,
+    zero at padding). Two calls' factors give the inner product of their per-sample gradients
+    (:func:`factor_inner`) in ``O(B·T₁·T₂·(r + c))`` without building either gradient.
+    """
+
+    v: torch.Tensor
+    u: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+
+
+def factor_inner(f: Factors, h: Factors) -> torch.Tensor:
+    """``⟨G_b, H_b⟩`` per sample, ``(B,)``, of two factored per-sample gradients of one
+    parameter: ``Σ_{t,s} (u_t·u'_s)(v_t·v'_s)`` (a one-hot ``u`` picks a row of the other's)."""
+    vv = torch.bmm(f.v, h.v.transpose(1, 2))  # (B, T1, T2)
+    if f.ids is None and h.ids is None:
+        uu = torch.bmm(f.u, h.u.transpose(1, 2))
+    elif f.ids is not None and h.ids is not None:
+        uu = (f.ids[:, :, None] == h.ids[:, None, :]).to(vv.dtype)
+    else:
+        if f.ids is None:
+            f, h, vv = h, f, vv.transpose(1, 2)
+        idx = f.ids[:, None, :].expand(-1, h.u.shape[1], -1)  # (B, T2, T1)
+        uu = torch.gather(h.u, 2, idx).transpose(1, 2)  # u'_{bs}[ids_{bt}] -> (B, T1, T2)
+    return (uu * vv).sum((1, 2))
 
 def wants_grad(p: nn.Parameter | None) -> bool:
     return p is not None and p.requires_grad

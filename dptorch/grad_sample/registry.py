@@ -60,6 +60,17 @@ class LayerRule:
     input_grad_only: Callable[..., torch.Tensor] | None = None
     prefer_ghost: CostFn | None = None
     generic: dict[str, str] = field(default_factory=dict)
+    #: optional, outside :data:`RULE_FIELDS`: ``{param: Factors}``, the call's per-sample
+    #: gradient in factored form (:class:`~dptorch.grad_sample.norm_samplers.Factors`). Ghost/bk
+    #: use it for a parameter used by several calls (tied embeddings): the squared norm of the
+    #: summed gradient is each call's ``norm_sq`` plus the cross terms of the factors, and
+    #: nothing ``(B, *param.shape)`` is built. Without it such a parameter is instantiated.
+    factors: GradSamplerFn | None = None
+    #: optional, outside :data:`RULE_FIELDS`: ``(layer) -> reason | None``, why autograd's batch
+    #: gradient of this layer, given ``c_b``-scaled output gradients, is *not* ``Σ_b c_b grad_b``
+    #: (``Embedding(scale_grad_by_freq=True)`` divides by counts over the whole batch). Ghost
+    #: mode, whose second backward pass lets autograd form the clipped sum, refuses such a layer.
+    batch_grad_not_a_sum: Callable[[nn.Module], str | None] | None = None
 
     def missing(self) -> list[str]:
         """Fields that are neither set nor declared generic (empty for a complete rule)."""
