@@ -111,11 +111,18 @@ def _add_train_digits(subparsers: argparse._SubParsersAction) -> None:
     add_parser(subparsers)
 
 
+def _add_audit(subparsers: argparse._SubParsersAction) -> None:
+    from .auditing.cli import add_parser
+
+    add_parser(subparsers)
+
+
 #: subcommand name -> registrar adding its parser; add new subcommands here
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "privacy": _add_privacy,
     "calibrate": _add_calibrate,
     "train-digits": _add_train_digits,
+    "audit": _add_audit,
 }
 
 
