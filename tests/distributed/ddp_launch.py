@@ -37,6 +37,7 @@ def _entry(rank: int, worker, world_size: int, port: int, out_dir: str, args: tu
     try:
         result = worker(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
