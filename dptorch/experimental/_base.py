@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -144,7 +144,10 @@ class ExperimentalPrivacyEngine:
         *,
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
     ):
+        """``wrap(module)`` (e.g. :func:`as_grad_sample_module`) runs after every check, so that
+        a refused engine leaves the model as it was (no per-sample hooks)."""
         if not isinstance(module, nn.Module):
             raise ValueError(f"module must be an nn.Module, got {type(module).__name__}.")
         if not isinstance(optimizer, Optimizer):
@@ -162,7 +165,7 @@ class ExperimentalPrivacyEngine:
             raise ValueError("secure_mode draws from the OS CSPRNG; pass generator=None.")
         if not trainable_parameters(module):
             raise ValueError("module has no trainable parameters.")
-        self.module = module
+        self.module = module if wrap is None else wrap(module)
         self.optimizer = optimizer
         self.generator = generator
         self.secure_mode = secure_mode
@@ -298,6 +301,7 @@ class RDPAccountedEngine(ExperimentalPrivacyEngine):
         data_loader: Any | None = None,
         generator: torch.Generator | None = None,
         secure_mode: bool = False,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
     ):
         self.noise_multiplier = validate_positive(
             "noise_multiplier",
@@ -305,7 +309,9 @@ class RDPAccountedEngine(ExperimentalPrivacyEngine):
             hint="It is the noise std relative to the sensitivity (typical values 0.5-2).",
         )
         self.sample_rate = resolve_sample_rate(sample_rate, data_loader)
-        super().__init__(module, optimizer, generator=generator, secure_mode=secure_mode)
+        super().__init__(
+            module, optimizer, generator=generator, secure_mode=secure_mode, wrap=wrap
+        )
         from ..accountants import RDPAccountant
 
         self.accountant = RDPAccountant()

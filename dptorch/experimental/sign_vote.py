@@ -11,6 +11,7 @@ sampled Gaussian mechanism, accounted by ``RDPAccountant`` at ``(σ, q)``. The u
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -84,8 +85,9 @@ class SignVotePrivacyEngine(PerSampleGradientMixin, RDPAccountedEngine):
                 f"len(dataset)), got {expected_batch_size!r}."
             )
         super().__init__(
-            as_grad_sample_module(module, loss_reduction),
+            module,
             optimizer,
+            wrap=partial(as_grad_sample_module, loss_reduction=loss_reduction),
             noise_multiplier=noise_multiplier,
             sample_rate=sample_rate,
             data_loader=data_loader,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -193,8 +194,10 @@ class TrimmedMeanPrivacyEngine(PerSampleGradientMixin, ExperimentalPrivacyEngine
         self.trim_fraction = trim_fraction
         self.min_val, self.max_val = float(min_val), float(max_val)
         self.steps_per_epoch = self._resolve_steps_per_epoch(steps_per_epoch, data_loader)
-        module = as_grad_sample_module(module, loss_reduction)
-        super().__init__(module, optimizer, generator=generator)
+        super().__init__(
+            module, optimizer, generator=generator,
+            wrap=partial(as_grad_sample_module, loss_reduction=loss_reduction),
+        )
         self.num_coordinates = sum(p.numel() for p in self.params)
         self.epsilon_per_coordinate = math.sqrt(2.0 * self.rho_per_epoch / self.num_coordinates)
         self.lln_sigma, self.lln_s = lln_calibration(self.epsilon_per_coordinate, self.t)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from functools import partial
 
 import torch
 from torch import nn
@@ -61,6 +62,7 @@ class AbstractGradSampleModule(nn.Module, ABC):
         if not isinstance(m, nn.Module):
             raise ValueError(f"GradSampleModule expects an nn.Module, got {type(m).__name__}")
         _check_loss_reduction(loss_reduction)
+        check_not_wrapped(m)
         self._module = m
         self.batch_first = batch_first
         self.loss_reduction = loss_reduction
@@ -151,3 +153,51 @@ def forbid_accumulation_hook(module: nn.Module, _input: object) -> None:
                 "optimizer.step() after every forward/backward pass or consider using "
                 "BatchMemoryManager"
             )
+
+
+def _hook_owner(fn: object) -> object | None:
+    """The object a hook is a bound method of (through ``functools.partial``), if any."""
+    while isinstance(fn, partial):
+        fn = fn.func
+    return getattr(fn, "__self__", None)
+
+
+def wrapper_hooks_in(module: nn.Module) -> tuple[str, str] | None:
+    """``(layer name, GradSampleModule class name)`` of the first layer of ``module`` that still
+    carries the hooks (or forward override) of a GradSampleModule, or ``None``. Found on a model
+    wrapped before and not unwrapped (``to_standard_module()`` / ``cleanup()``), and on a
+    ``copy.deepcopy`` of such a model (the copy carries copies of the hooks)."""
+    for name, sub in module.named_modules():
+        hooks = [
+            *sub._forward_hooks.values(),
+            *sub._forward_pre_hooks.values(),
+            *sub._backward_hooks.values(),
+            *sub._backward_pre_hooks.values(),
+        ]
+        if "forward" in sub.__dict__:
+            hooks.append(sub.__dict__["forward"])
+        for p in sub.parameters(recurse=False):
+            hooks.extend((p._backward_hooks or {}).values())
+        for fn in hooks:
+            owner = _hook_owner(fn)
+            if isinstance(owner, AbstractGradSampleModule):
+                return name or "<root>", type(owner).__name__
+    return None
+
+
+def check_not_wrapped(module: nn.Module) -> None:
+    """Raises ``ValueError`` if ``module`` (a plain model) still carries a GradSampleModule's
+    hooks: wrapping it again would run both sets of hooks in one backward pass, and the
+    per-sample gradients and norms of the two would mix (or fail with misleading errors)."""
+    found = wrapper_hooks_in(module)
+    if found is None:
+        return
+    name, owner = found
+    raise ValueError(
+        f"{name} ({type(module.get_submodule('' if name == '<root>' else name)).__name__}) "
+        f"already carries the per-sample hooks of a {owner}: the model was wrapped before "
+        "(make_private / wrap_model) and not unwrapped, or it is a copy.deepcopy of a wrapped "
+        "model. Wrapping it again would mix the per-sample gradients of both wrappers. Fix: "
+        "keep the first wrapper (pass the GradSampleModule itself), call "
+        "gsm.to_standard_module() on it first, or copy the model before wrapping it."
+    )

@@ -7,9 +7,10 @@ from functools import partial
 import torch
 from torch import nn
 
+from .grad_sample_module import infer_batch_size
 from .gsm_base import AbstractGradSampleModule
 from .unit_params import trainable_signature, trainable_units, unit_parameters
-from .use_trace import check_structure
+from .use_trace import check_structure, tensors_in
 
 # Trainable layers whose functional form ExpandedWeights cannot differentiate per sample.
 _EW_UNSUPPORTED = (
@@ -21,6 +22,73 @@ _EW_UNSUPPORTED = (
     nn.modules.batchnorm._BatchNorm,
 )
 _EW_UNSUPPORTED_NAMES = ("DPLSTM", "DPGRU", "DPRNN", "DPMultiheadAttention")
+
+
+class ExpandedWeightsUnsupportedError(NotImplementedError, ValueError):
+    """A model that ExpandedWeights cannot differentiate per sample, found when the model is
+    wrapped (``make_private``). Both a ``NotImplementedError`` (as the other refusals of this
+    mode) and a ``ValueError`` (as every other refusal of ``make_private``)."""
+
+
+def _hf_unsupported(module: nn.Module) -> str | None:
+    """Why a Hugging Face layer with trainable parameters of its own cannot run under
+    ExpandedWeights, or ``None``: GPT-2's ``Conv1D`` computes ``addmm(bias, x, weight)`` and the
+    RMS norms (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``T5LayerNorm``, ...) ``weight * x``, two
+    functions ExpandedWeights has no per-sample rule for."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers."):
+        return None
+    if not any(p.requires_grad for p in module.parameters(recurse=False)):
+        return None
+    name = cls.__name__
+    if name == "Conv1D":
+        return "computes torch.addmm(bias, x, weight)"
+    if name.endswith("RMSNorm") or name == "T5LayerNorm":
+        return "computes weight * x"
+    return None
+
+
+def check_ew_model(module: nn.Module, *, batch_first: bool = True, **_settings: object) -> None:
+    """Raises :class:`ExpandedWeightsUnsupportedError` (a ``NotImplementedError`` and a
+    ``ValueError``) naming the first layer of ``module`` that ExpandedWeights cannot
+    differentiate per sample, with the reason and the fix; also for ``batch_first=False``.
+
+    The ``"ew"`` mode entry runs it among ``make_private``'s checks, before anything (model,
+    optimizer, parameters) is modified, and the module's constructor runs it for direct
+    ``wrap_model`` calls. A GradSampleModule passed in is checked through the model it wraps."""
+    if not batch_first:
+        raise ExpandedWeightsUnsupportedError(
+            "ExpandedWeights (grad_sample_mode='ew') supports only batch_first=True; "
+            "use grad_sample_mode='hooks' or 'functorch'."
+        )
+    if isinstance(module, AbstractGradSampleModule):
+        module = module._module
+    for name, sub in module.named_modules():
+        if isinstance(sub, _EW_UNSUPPORTED) or type(sub).__name__ in _EW_UNSUPPORTED_NAMES:
+            trainable = any(p.requires_grad for p in sub.parameters())
+            unsupported = isinstance(sub, nn.modules.batchnorm._BatchNorm) or trainable
+        else:
+            unsupported = (
+                isinstance(sub, nn.Conv3d)
+                and tuple(sub.dilation) != (1, 1, 1)
+                and any(p.requires_grad for p in sub.parameters())
+            )
+        if unsupported:
+            what = "Conv3d with dilation" if isinstance(sub, nn.Conv3d) else type(sub).__name__
+            raise ExpandedWeightsUnsupportedError(
+                f"{name or '<root>'} ({what}) is not supported by ExpandedWeights "
+                "(grad_sample_mode='ew'). Use grad_sample_mode='hooks' (after "
+                "dptorch.validators.ModuleValidator.fix(model) for BatchNorm and torch.nn "
+                "recurrent/attention layers)."
+            )
+        why = _hf_unsupported(sub)
+        if why is not None:
+            raise ExpandedWeightsUnsupportedError(
+                f"{name or '<root>'} ({type(sub).__name__}) {why}, which ExpandedWeights "
+                "(grad_sample_mode='ew') cannot differentiate per sample. Use "
+                "grad_sample_mode='bk' (fastest, exact) or 'hooks', or freeze the layer "
+                "(e.g. train LoRA adapters only)."
+            )
 
 
 class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
@@ -41,37 +109,23 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
     zero-size ``p.grad_sample`` of shape ``(0, *p.shape)`` (and autograd's ``p.grad``), as in
     hooks mode, so that the optimizer's step adds the noise and is accounted for.
 
+    Inputs may be positional or keyword (``gsm(input_ids=..., attention_mask=...)``, as Hugging
+    Face models are called); the batch size is the first dimension of the first tensor. A layer
+    called on inputs whose batch dimension is 1 (Hugging Face's ``position_ids`` of shape
+    ``[1, T]``) gets them expanded to the batch, which makes its per-sample gradients exact (the
+    structure check of the first forward pass verifies that the rows stay per sample).
+
     Limits (each raises rather than returning wrong numbers): ``batch_first=False``, recurrent
-    layers, attention, EmbeddingBag, RMSNorm, BatchNorm, and any function ExpandedWeights has no
-    rule for.
+    layers, attention, EmbeddingBag, RMSNorm, BatchNorm, a trainable Hugging Face ``Conv1D``
+    (GPT-2) or RMS norm (Llama, Qwen2, T5) — refused when the model is wrapped, i.e. by
+    ``make_private`` —, a layer called on inputs that are not the batch (a relative position
+    bias), and any function ExpandedWeights has no rule for.
     """
 
     def __init__(
         self, m: nn.Module, *, batch_first: bool = True, loss_reduction: str = "mean", **kwargs
     ):
-        if not batch_first:
-            raise NotImplementedError(
-                "ExpandedWeights (grad_sample_mode='ew') supports only batch_first=True; "
-                "use grad_sample_mode='hooks' or 'functorch'."
-            )
-        for name, sub in m.named_modules():
-            if isinstance(sub, _EW_UNSUPPORTED) or type(sub).__name__ in _EW_UNSUPPORTED_NAMES:
-                trainable = any(p.requires_grad for p in sub.parameters())
-                unsupported = isinstance(sub, nn.modules.batchnorm._BatchNorm) or trainable
-            else:
-                unsupported = (
-                    isinstance(sub, nn.Conv3d)
-                    and tuple(sub.dilation) != (1, 1, 1)
-                    and any(p.requires_grad for p in sub.parameters())
-                )
-            if unsupported:
-                what = "Conv3d with dilation" if isinstance(sub, nn.Conv3d) else type(sub).__name__
-                raise NotImplementedError(
-                    f"{name or '<root>'} ({what}) is not supported by ExpandedWeights "
-                    "(grad_sample_mode='ew'). Use grad_sample_mode='hooks' (after "
-                    "dptorch.validators.ModuleValidator.fix(model) for BatchNorm and torch.nn "
-                    "recurrent/attention layers)."
-                )
+        check_ew_model(m, batch_first=batch_first)
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction)
         self._callback_queued = False
         self._previous: dict[int, tuple[nn.Parameter, list]] = {}
@@ -80,43 +134,80 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
         self._empty_units: list[nn.Module] = []  # layers that ran on an empty batch (this pass)
         self._hooks = []
         self._checked: tuple = ()
+        self._batch_size: int | None = None  # B while a training forward pass runs
         for _, unit in trainable_units(m):
+            self._hooks.append(
+                unit.register_forward_pre_hook(self._expand_shared_inputs, with_kwargs=True)
+            )
             self._hooks.append(unit.register_forward_hook(self._on_unit_forward))
 
-    def forward(self, x: torch.Tensor, *args, **kwargs):
+    def forward(self, *args, **kwargs):
+        """The wrapped module's forward, positional and keyword inputs alike
+        (``gsm(input_ids=..., attention_mask=...)``); the batch size is the first dimension of
+        the first tensor input."""
         from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
 
         if not self.training or not torch.is_grad_enabled():
-            return self._module(x, *args, **kwargs)
-        batch_size = x.shape[0]
+            return self._module(*args, **kwargs)
+        batch_size = infer_batch_size(args, kwargs, batch_first=True)
+        if batch_size is None:
+            raise ValueError(
+                "ExpandedWeights (grad_sample_mode='ew') needs a tensor input whose first "
+                "dimension is the batch; got no tensor input (or an EmbeddingBag-style flat "
+                "index with offsets). Use grad_sample_mode='hooks' or 'bk'."
+            )
         self._stash_previous_grad_samples()
         if batch_size == 0:
             # ExpandedWeights refuses batch_size=0: a plain forward, whose backward hooks give
             # zero-size per-sample gradients (see _end_of_backward)
             self._empty_forward = True
             try:
-                return self._module(x, *args, **kwargs)
+                return self._module(*args, **kwargs)
             finally:
                 self._empty_forward = False
-        signature = trainable_signature(self._module)
-        if signature != self._checked:
-            # once, and again when the trainable parameters change: a layer called on inputs
-            # that do not come from the batch (an index of shape [T, T], even with T == B)
-            # would get per-sample gradients whose rows are not the samples
-            check_structure(self._module, (x, *args), kwargs, batch_size, check_uses=False)
-            if batch_size > 1:  # one sample cannot tell batch data from shared data
-                self._checked = signature
+        self._batch_size = batch_size
         try:
-            return call_for_per_sample_grads(
-                self._module, batch_size=batch_size, loss_reduction=self.loss_reduction
-            )(x, *args, **kwargs)
-        except RuntimeError as e:
-            if "Expanded Weights" not in str(e):
-                raise
-            raise NotImplementedError(
-                f"ExpandedWeights (grad_sample_mode='ew') cannot compute per-sample gradients of "
-                f"this model: {e}. Use grad_sample_mode='hooks' or 'functorch'."
-            ) from e
+            signature = trainable_signature(self._module)
+            if signature != self._checked:
+                # once, and again when the trainable parameters change: a layer called on
+                # inputs that do not come from the batch (an index of shape [T, T], even with
+                # T == B) would get per-sample gradients whose rows are not the samples
+                check_structure(self._module, args, kwargs, batch_size, check_uses=False)
+                if batch_size > 1:  # one sample cannot tell batch data from shared data
+                    self._checked = signature
+            try:
+                return call_for_per_sample_grads(
+                    self._module, batch_size=batch_size, loss_reduction=self.loss_reduction
+                )(*args, **kwargs)
+            except RuntimeError as e:
+                if "Expanded Weights" not in str(e):
+                    raise
+                raise NotImplementedError(
+                    f"ExpandedWeights (grad_sample_mode='ew') cannot compute per-sample gradients "
+                    f"of this model: {e}. Use grad_sample_mode='hooks' or 'functorch'."
+                ) from e
+        finally:
+            self._batch_size = None
+
+    def _expand_shared_inputs(self, module: nn.Module, args, kwargs):
+        """Forward pre-hook of every trainable layer: a call whose tensor inputs all have a
+        batch dimension of size 1 while the batch has ``B > 1`` samples (Hugging Face's
+        ``position_ids`` of shape ``[1, T]``) gets them expanded (a view) to ``B`` rows, so that
+        ExpandedWeights computes one exact per-sample gradient per row (as hooks mode expands
+        the call's output). The structure check then verifies that the rows stay per sample."""
+        b = self._batch_size
+        if b is None or b <= 1 or not module.training:
+            return None
+        tensors = [t for t in tensors_in((args, kwargs), 2) if t.dim() > 0]
+        if not tensors or any(t.shape[0] != 1 for t in tensors):
+            return None
+
+        def expand(v):
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == 1:
+                return v.expand(b, *v.shape[1:])
+            return v
+
+        return tuple(expand(a) for a in args), {k: expand(v) for k, v in kwargs.items()}
 
     # ------------------------------------------------------------------ accumulation
     def _stash_previous_grad_samples(self) -> None:

@@ -17,8 +17,8 @@ from ..modes import Mode, get_mode, known_modes, register_mode
 from .grad_sample_module import GradSampleModule
 from .grad_sample_module_bk import GradSampleModuleBookKeeping
 from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from .gsm_base import AbstractGradSampleModule
-from .gsm_exp_weights import GradSampleModuleExpandedWeights
+from .gsm_base import AbstractGradSampleModule, check_not_wrapped
+from .gsm_exp_weights import GradSampleModuleExpandedWeights, check_ew_model
 from .gsm_no_op import GradSampleModuleNoOp
 from .registry import register_grad_sampler, register_norm_sampler
 
@@ -33,7 +33,8 @@ for _mode in (
         multi_pass_clippings=_SLICED,
         gsm_kwargs={"force_functorch": True},
     ),
-    Mode("ew", GradSampleModuleExpandedWeights),
+    # refused before make_private modifies anything: layers ExpandedWeights cannot differentiate
+    Mode("ew", GradSampleModuleExpandedWeights, checks=(check_ew_model,)),
     Mode("no_op", GradSampleModuleNoOp),  # p.grad_sample is filled by the user
     Mode(
         "ghost",
@@ -95,8 +96,10 @@ def check_wrapped(
     multi_pass: bool = False,
 ) -> None:
     """Raises ``ValueError`` if ``module`` is already a GradSampleModule whose class or settings
-    differ from those requested (a plain ``nn.Module`` passes)."""
+    differ from those requested, or a plain ``nn.Module`` that still carries the hooks of a
+    GradSampleModule (:func:`~dptorch.grad_sample.gsm_base.check_not_wrapped`)."""
     if not isinstance(module, AbstractGradSampleModule):
+        check_not_wrapped(module)  # a plain model that still carries a wrapper's hooks
         return
     has = (
         type(module),
@@ -111,7 +114,7 @@ def check_wrapped(
             f"loss_reduction={has[2]!r}, multi_pass={has[3]}, but grad_sample_mode="
             f"{grad_sample_mode!r} ({wants[0].__name__}) with batch_first={batch_first}, "
             f"loss_reduction={loss_reduction!r}, multi_pass={multi_pass} was requested. Pass the "
-            "plain nn.Module instead."
+            "plain nn.Module instead (gsm.to_standard_module() unwraps it)."
         )
 
 

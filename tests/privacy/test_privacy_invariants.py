@@ -293,8 +293,9 @@ def test_clip_bound_changed_between_backward_and_step(mode):
 )
 def test_expanded_weights_exact_or_refused(case):
     """ExpandedWeights differentiates every use of an expanded parameter itself: functional
-    uses are exact where torch has a rule and refused where not; batch-independent calls (which
-    it cannot expand) are refused by the structure check, even at T == B."""
+    uses are exact where torch has a rule and refused where not; a call on position ids of
+    shape [1, T] is exact (dptorch expands them to the batch); other batch-independent calls
+    are refused by the structure check, even at T == B."""
     torch.manual_seed(0)
     x, y = _data()
     model = {"tied_functional": TiedFunctionalHead, "two_outputs": UsesBothOutputs,
@@ -309,9 +310,9 @@ def test_expanded_weights_exact_or_refused(case):
     try:
         got = dp_update(model, "ew", x, y, 0.5)
     except (ValueError, NotImplementedError) as e:
-        assert case not in ("parent_bias", "tied_functional"), e
+        assert case not in ("parent_bias", "tied_functional", "positions"), e
         return
-    assert case in ("parent_bias", "tied_functional")
+    assert case in ("parent_bias", "tied_functional", "positions")
     ref = reference_update(model, x, y, 0.5)
     for n, r in ref.items():
         torch.testing.assert_close(got[n], r)
