@@ -13,7 +13,7 @@ fi
 STAMP=.venv/.dptorch-install-stamp
 WANT=$(cksum < pyproject.toml)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] \
-    || ! .venv/bin/python -c "import dptorch, sklearn, tqdm, matplotlib, pytest, hypothesis, transformers" 2>/dev/null; then
+    || ! .venv/bin/python -c "import dptorch, sklearn, tqdm, matplotlib, pytest, hypothesis, transformers, dp_accounting" 2>/dev/null; then
   .venv/bin/python -m pip install -q -e ".[test,examples]"
   echo "$WANT" > "$STAMP"
 fi
