@@ -49,6 +49,7 @@ __all__ = [
     "records_in_loader",
     "expected_batch_size",
     "prepare_data_loader",
+    "steps_per_pass",
 ]
 
 # DataLoader settings carried over by DPDataLoader.from_data_loader (batching is replaced).
@@ -219,7 +220,8 @@ _SAMPLER_FIX = (
     "Fix: put the records to train on in torch.utils.data.Subset(dataset, indices) and pass a "
     "plain DataLoader(subset, batch_size=...) (or DataLoader(dataset, batch_size=..., "
     "sampler=SubsetRandomSampler(indices))); or pass poisson_sampling=False to keep this "
-    "sampler, knowing that the reported epsilon is then not a proven guarantee."
+    "sampler, knowing that only the no-amplification bound of PrivacyEngine.get_epsilon is then "
+    "a proven guarantee."
 )
 
 
@@ -383,6 +385,34 @@ def records_in_loader(
     return len(data_loader.dataset)  # type: ignore[arg-type]
 
 
+def steps_per_pass(data_loader: DataLoader, poisson_sampling: bool = False) -> int | None:
+    """``None`` with ``poisson_sampling`` (the accountant then charges Poisson-sampled steps).
+    For a loader kept as it is (``poisson_sampling=False``): ``len(data_loader)`` when each
+    pass over it provably uses every record at most once (torch's ``BatchSampler`` over a
+    ``SequentialSampler``, a ``RandomSampler`` without replacement drawing at most ``N``, a
+    ``SubsetRandomSampler`` of distinct indices, or a ``DistributedSampler`` that pads nothing),
+    else 1 (any step may use any record). The accountant charges one Gaussian per pass."""
+    if poisson_sampling:
+        return None
+    if isinstance(getattr(data_loader, "dataset", None), IterableDataset):
+        return 1
+    if type(data_loader.batch_sampler) is not BatchSampler:
+        return 1
+    sampler = loader_sampler(data_loader)
+    once = False
+    if isinstance(sampler, SequentialSampler):
+        once = True
+    elif isinstance(sampler, RandomSampler):
+        once = not sampler.replacement and sampler.num_samples <= len(sampler.data_source)
+    elif isinstance(sampler, SubsetRandomSampler):
+        idx = [int(i) for i in sampler.indices]
+        once = len(set(idx)) == len(idx)
+    elif isinstance(sampler, DistributedSampler):
+        n = len(sampler.dataset)  # type: ignore[arg-type]
+        once = sampler.total_size <= n
+    return max(1, len(data_loader)) if once else 1
+
+
 def expected_batch_size(num_records: int, sample_rate: float, distributed: bool = False) -> float:
     """``q · N``, robust to float round-off. Distributed: the per-rank share
     ``q · N / world_size``, kept fractional so that the distributed optimizer's division by
@@ -409,8 +439,10 @@ def prepare_data_loader(
         )
     warnings.warn(
         "poisson_sampling=False: batches are not Poisson samples, but the privacy accounting "
-        "assumes Poisson sampling with rate 1/len(data_loader). The reported epsilon is then "
-        "not a proven guarantee for this training.",
+        "assumes Poisson sampling with rate 1/len(data_loader): the accountant's amplified "
+        "epsilon (engine.accountant.get_epsilon) is not a proven guarantee for this training. "
+        "PrivacyEngine.get_epsilon reports the sound, larger bound instead (no amplification, "
+        "replace-one neighbours, each record used once per pass) and states its assumptions.",
         UserWarning,
         stacklevel=4,
     )

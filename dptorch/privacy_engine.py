@@ -24,16 +24,18 @@ from torch.utils.data import DataLoader
 
 from . import checkpoint
 from .accountants import create_accountant
-from .accountants.utils import calibrate_noise_multiplier, warn_if_weak_delta
+from .accountants.utils import calibrate_noise_multiplier, engine_epsilon, warn_if_weak_delta
 from .clipping import check_bound
 from .data_loader import (
     check_data_loader,
     expected_batch_size,
     prepare_data_loader,
     records_in_loader,
+    steps_per_pass,
 )
 from .distributed import disable_gradient_sync, is_distributed_module
 from .grad_sample import AbstractGradSampleModule
+from .grad_sample.fast_clipping_loss import DPLossFastGradientClipping
 from .grad_sample.gsm_base import forbid_accumulation_hook
 from .grad_sample.utils import check_wrapped, wrap_model
 from .modes import Mode, get_mode
@@ -45,7 +47,6 @@ from .optimizers.arguments import (
     parameter_names,
 )
 from .optimizers.multi_pass import validate_multi_pass_args
-from .utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from .validators import ModuleValidator
 
 logger = logging.getLogger(__name__)
@@ -219,7 +220,8 @@ class PrivacyEngine:
             batch_first=a.batch_first,
             secure_mode=self.secure_mode,
         )
-        dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=q))
+        per_pass = steps_per_pass(a.data_loader, a.poisson_sampling)  # None: Poisson batches
+        dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(q, steps_per_epoch=per_pass))
         if not mode.returns_criterion:
             return module, dp_optimizer, self._data_loader
         criterion = a.criterion
@@ -338,9 +340,11 @@ class PrivacyEngine:
 
         Warns (``UserWarning``) when ``delta >= 1/N``, N being the number of records the data
         loader of the last ``make_private`` can yield: such a δ is too weak to mean privacy.
+        Fixed-size batches (``poisson_sampling=False``): the sound no-amplification bound under
+        replace-one, with a warning stating its assumptions (``accountants.utils.engine_epsilon``).
         """
         warn_if_weak_delta(delta, self._num_records, meaning=", so the epsilon means little")
-        return self.accountant.get_epsilon(delta=delta)
+        return engine_epsilon(self.accountant, delta)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(

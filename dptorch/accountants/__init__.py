@@ -1,6 +1,16 @@
-"""Privacy accountants: RDP, GDP, PRV and PLD, a registry, and noise calibration."""
+"""Privacy accountants: RDP, GDP, PRV and PLD, privacy events, a registry, and noise calibration."""
 
 from .accountant import IAccountant
+from .events import (
+    ComposedEvent,
+    FixedSizeBatchEvent,
+    GaussianEvent,
+    NonPrivateEvent,
+    NoOpEvent,
+    PoissonSampledEvent,
+    PrivacyEvent,
+    SelfComposedEvent,
+)
 from .gdp import GaussianAccountant
 from .pld import PLDAccountant
 from .prv import PRVAccountant
@@ -17,4 +27,12 @@ __all__ = [
     "create_accountant",
     "register_accountant",
     "get_noise_multiplier",
+    "PrivacyEvent",
+    "GaussianEvent",
+    "PoissonSampledEvent",
+    "FixedSizeBatchEvent",
+    "SelfComposedEvent",
+    "ComposedEvent",
+    "NoOpEvent",
+    "NonPrivateEvent",
 ]

@@ -1,81 +1,259 @@
-"""The accountant interface: a run-length compressed history of DP-SGD steps."""
+"""The accountant interface: a history of privacy events, and the Opacus views on top of it.
+
+An accountant holds the privacy events it was given (:meth:`IAccountant.compose`; one per
+optimizer step from the engine's hook) and turns them into ε, δ, trade-off curves or μ. It knows
+nothing of training. The Opacus API stays: ``history`` is the list of
+``(noise_multiplier, sample_rate, num_steps)`` tuples of the events (assignable: the tuples
+become Poisson-sampled Gaussian events), ``step(noise_multiplier=, sample_rate=)`` composes one
+such event, and ``state_dict`` / ``load_state_dict`` carry the events (and the history).
+"""
 
 from __future__ import annotations
 
 import abc
 import math
+import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from copy import deepcopy
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
+
+import numpy as np
+from scipy.special import ndtri
+
+from .events import (
+    FixedSizeBatchEvent,
+    GaussianEvent,
+    NonPrivateEvent,
+    NoOpEvent,
+    PoissonSampledEvent,
+    PrivacyEvent,
+    SelfComposedEvent,
+    _gaussian_sigma,
+    check_relation,
+    dpsgd_event,
+    event_from_dict,
+    event_to_dict,
+    flatten,
+    gaussian_phases,
+)
 
 T_state_dict = TypeVar("T_state_dict", bound=Mapping[str, Any])
 
+#: α grid on which trade-off curves are scanned for :meth:`IAccountant.get_mu`
+_MU_ALPHAS = np.concatenate((np.logspace(-12, -1, 111), np.linspace(0.1, 0.5, 41)[1:]))
+
 
 class IAccountant(abc.ABC):
-    """Tracks the privacy cost of Poisson-subsampled Gaussian steps.
+    """Composes privacy events and reports the privacy spent.
 
-    ``history`` is a list of ``(noise_multiplier, sample_rate, num_steps)`` tuples; consecutive
-    steps with identical parameters are merged into one tuple. It is the whole state.
+    Args:
+        neighboring_relation: ``"add_remove"`` (default: one record added or removed) or
+            ``"replace_one"`` (one record replaced by another; the data set size is public).
+            Add/remove is the usual DP claim; replace-one is the relation under which
+            fixed-size batches (``FixedSizeBatchEvent``) have a sound bound.
     """
 
-    def __init__(self) -> None:
-        self.history: list[tuple[float, float, int]] = []
+    def __init__(self, *, neighboring_relation: str = "add_remove") -> None:
+        self.neighboring_relation = check_relation(neighboring_relation)
+        self._events: list[tuple[PrivacyEvent, int]] = []  # run-length: (event, count)
+
+    # ------------------------------------------------------------------ events
+    def compose(self, event: PrivacyEvent, count: int = 1) -> IAccountant:
+        """Records ``event`` ``count`` times (in order); returns ``self``."""
+        if not isinstance(event, PrivacyEvent):
+            raise ValueError(f"compose() takes a PrivacyEvent, got {event!r}.")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an integer >= 0, got {count!r}.")
+        while isinstance(event, SelfComposedEvent):
+            event, count = event.event, count * event.count
+        if count == 0:
+            return self
+        if self._events and self._events[-1][0] == event:
+            self._events[-1] = (event, self._events[-1][1] + count)
+        else:
+            self._events.append((event, count))
+        return self
+
+    @property
+    def events(self) -> list[PrivacyEvent]:
+        """The events composed so far, in order (a run of ``n`` equal events is one
+        ``SelfComposedEvent(event, n)``)."""
+        return [e if n == 1 else SelfComposedEvent(e, n) for e, n in self._events]
+
+    @events.setter
+    def events(self, events: Iterable[PrivacyEvent]) -> None:
+        self._events = []
+        for e in events:
+            self.compose(e)
+
+    def _phases(self, relation: str | None = None) -> list[tuple[float, float, int]]:
+        """The events as Poisson-sampled Gaussian phases ``(σ, q, steps)`` (``q = 1``: not
+        sampled) under ``relation`` (default: the accountant's)."""
+        return gaussian_phases(self.events, relation or self.neighboring_relation)
+
+    # ------------------------------------------------------------------ Opacus views
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """``(noise_multiplier, sample_rate, num_steps)`` per run of equal steps: the effective
+        noise multiplier σ/sensitivity of each Gaussian, its sampling rate (1 for an unsampled
+        Gaussian, the nominal ``1/len(data_loader)`` for a fixed-size batch), and the number of
+        steps. No-op events are left out; σ = 0 stands for a non-private event."""
+        out: list[tuple[float, float, int]] = []
+        for event, n in flatten(self.events):
+            if isinstance(event, NoOpEvent):
+                continue
+            if isinstance(event, NonPrivateEvent):
+                row = (0.0, 1.0)
+            elif isinstance(event, GaussianEvent):
+                row = (event.effective_noise_multiplier, 1.0)
+            elif isinstance(event, (PoissonSampledEvent, FixedSizeBatchEvent)):
+                sigma = _gaussian_sigma(event.event)
+                if sigma is None:
+                    raise ValueError(f"{event!r} has no (sigma, q) form; use .events instead.")
+                if math.isinf(sigma):  # releases nothing
+                    continue
+                q = (event.sampling_probability if isinstance(event, PoissonSampledEvent)
+                     else event.sample_rate)
+                row = (sigma, q)
+            else:
+                raise ValueError(f"{event!r} has no (sigma, q) form; use .events instead.")
+            if out and out[-1][:2] == row:
+                out[-1] = (*row, out[-1][2] + n)
+            else:
+                out.append((*row, n))
+        return out
+
+    @history.setter
+    def history(self, history: Sequence[tuple[float, float, int]]) -> None:
+        events: list[tuple[PrivacyEvent, int]] = []
+        for row in history:
+            sigma, q, n = row
+            _check_step(float(sigma), float(q))
+            n = int(n)
+            if n < 0:
+                raise ValueError(f"num_steps must be >= 0, got {n}.")
+            events.append((dpsgd_event(float(sigma), float(q)), n))
+        self._events = []
+        for e, n in events:
+            self.compose(e, n)
 
     def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
-        """Records one step with noise multiplier σ ≥ 0 and sampling rate q in [0, 1]."""
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}.")
-        if not 0.0 <= sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must lie in [0, 1], got {sample_rate}.")
-        if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
-            sigma, q, n = self.history[-1]
-            self.history[-1] = (sigma, q, n + 1)
-        else:
-            self.history.append((noise_multiplier, sample_rate, 1))
+        """Records one step with noise multiplier σ ≥ 0 and sampling rate q in [0, 1]:
+        ``compose(PoissonSampledEvent(q, GaussianEvent(σ)))``."""
+        _check_step(noise_multiplier, sample_rate)
+        self.compose(dpsgd_event(float(noise_multiplier), float(sample_rate)))
 
     @abc.abstractmethod
     def get_epsilon(self, delta: float, *args: Any, **kwargs: Any) -> float:
         """The ε spent so far at the given δ."""
 
+    def get_delta(self, epsilon: float, **kwargs: Any) -> float:
+        """The δ spent so far at the given ε (an upper bound)."""
+        raise NotImplementedError(f"{type(self).__name__} does not compute delta(epsilon).")
+
+    def get_tradeoff_curve(self, alpha: Any, **kwargs: Any) -> np.ndarray:
+        """f-DP: a lower bound on the type-II error β(α) of the best test, at level α, between
+        the outputs on any two neighbouring data sets (in either order). A curve that stays
+        above it is what an audit must not beat.
+
+        The default converts the privacy profile: ``β(α) ≥ max(0, 1 − δ(ε) − e^ε α,
+        e^{−ε}(1 − δ(ε) − α))`` for every ε, on a grid of ε."""
+        alpha = np.clip(np.asarray(alpha, dtype=np.float64), 0.0, 1.0)
+        if not self._events:
+            return 1.0 - alpha
+        eps_max = max(1.0, self.get_epsilon(1e-12) if hasattr(self, "get_epsilon") else 1.0)
+        if not math.isfinite(eps_max):
+            return np.zeros_like(alpha)
+        beta = np.zeros_like(alpha)
+        for eps in np.linspace(0.0, eps_max, 161):
+            d = min(self.get_delta(float(eps), **kwargs), 1.0)
+            b = np.maximum(1.0 - d - math.exp(eps) * alpha, math.exp(-eps) * (1.0 - d - alpha))
+            beta = np.maximum(beta, b)
+        return np.clip(beta, 0.0, 1.0)
+
+    def get_mu(self, **kwargs: Any) -> float:
+        """The smallest μ such that the Gaussian trade-off curve ``Φ(Φ⁻¹(1 − α) − μ)`` lies
+        below :meth:`get_tradeoff_curve` (scanned on α ∈ [1e-12, 0.5]; the curves are
+        symmetric): the accounted training is then μ-GDP. Tight when the accounted curve is
+        GDP-like (many steps); warns (``UserWarning``) when it is not, i.e. when μ fitted at
+        different α differ by more than 10 %."""
+        alpha = _MU_ALPHAS
+        beta = self.get_tradeoff_curve(alpha, **kwargs)
+        if np.any(beta <= 0.0):
+            return math.inf
+        mus = ndtri(1.0 - alpha) - ndtri(beta)
+        mu = max(float(np.max(mus)), 0.0)
+        mid = mus[(alpha >= 1e-6) & (alpha <= 0.5)]
+        if mu > 0 and float(np.min(mid)) < 0.9 * mu:
+            warnings.warn(
+                f"the accounted trade-off curve is not Gaussian-like (mu fitted at different "
+                f"alpha ranges from {float(np.min(mid)):.3g} to {mu:.3g}); mu = {mu:.3g} is a "
+                "valid but loose summary: use get_tradeoff_curve().",
+                UserWarning,
+                stacklevel=2,
+            )
+        return mu
+
     def __len__(self) -> int:
-        """Number of steps recorded."""
-        return sum(n for _, _, n in self.history)
+        """Number of steps recorded (no-op events are not steps)."""
+        return sum(n for e, n in self._events if not isinstance(e, NoOpEvent))
 
     @classmethod
     @abc.abstractmethod
     def mechanism(cls) -> str:
         """Short name of the accounting method (the registry key)."""
 
-    def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
-        """A ``DPOptimizer`` step hook recording one step per optimizer step.
+    # ------------------------------------------------------------------ training
+    def get_optimizer_hook_fn(
+        self, sample_rate: float, *, steps_per_epoch: int | None = None
+    ) -> Callable[[Any], None]:
+        """A ``DPOptimizer`` step hook composing the event of each optimizer step.
 
-        The recorded rate is ``sample_rate · optim.accumulated_iterations`` (a logical batch built
-        from several Poisson batches is charged as one step at the summed rate).
+        The event is ``optim.privacy_event(sample_rate, steps_per_epoch)`` (a Poisson-sampled
+        Gaussian at rate ``sample_rate · optim.accumulated_iterations``: a logical batch built
+        from several Poisson batches is charged as one step at the summed rate). With
+        ``steps_per_epoch`` (fixed-size batches, ``poisson_sampling=False``) it is a
+        :class:`~.events.FixedSizeBatchEvent`, and the hook's first step starts a new pass
+        (a :class:`~.events.NoOpEvent` ends any earlier run).
         """
+        started = False
 
         def hook_fn(optim: Any) -> None:
-            self.step(
-                noise_multiplier=optim.noise_multiplier,
-                sample_rate=sample_rate * optim.accumulated_iterations,
-            )
+            nonlocal started
+            make = getattr(optim, "privacy_event", None)
+            if callable(make):
+                event = make(sample_rate, steps_per_epoch)
+            else:  # an optimizer-like object without events
+                event = dpsgd_event(optim.noise_multiplier, sample_rate * optim.accumulated_iterations)
+                if steps_per_epoch is not None:
+                    event = FixedSizeBatchEvent(event.event, steps_per_epoch, event.sampling_probability)
+            if steps_per_epoch is not None and not started:
+                self.compose(NoOpEvent())
+            started = True
+            self.compose(event)
 
         return hook_fn
 
+    # ------------------------------------------------------------------ state
     def state_dict(self, destination: T_state_dict | None = None) -> T_state_dict:
-        """The accountant state (``history`` and ``mechanism``), into ``destination`` if given."""
+        """The accountant state into ``destination`` if given: ``events`` (plain dicts with
+        counts), ``neighboring_relation``, ``mechanism`` and the ``history`` view (for
+        Opacus-style readers)."""
         if destination is None:
             destination = OrderedDict()  # type: ignore[assignment]
-        destination["history"] = deepcopy(self.history)  # type: ignore[index]
+        destination["history"] = self.history  # type: ignore[index]
         destination["mechanism"] = self.mechanism()  # type: ignore[index]
+        destination["events"] = [[event_to_dict(e), n] for e, n in self._events]  # type: ignore[index]
+        destination["neighboring_relation"] = self.neighboring_relation  # type: ignore[index]
         return destination  # type: ignore[return-value]
 
     def load_state_dict(self, state_dict: T_state_dict) -> None:
-        """Restores a state produced by :meth:`state_dict` of the same mechanism."""
+        """Restores a state produced by :meth:`state_dict` of the same mechanism (events when
+        present, else the Opacus ``history``)."""
         if not state_dict:
             raise ValueError("state_dict is None or empty; pass the output of state_dict().")
         for key in ("history", "mechanism"):
-            if key not in state_dict:
+            if key not in state_dict and not (key == "history" and "events" in state_dict):
                 raise ValueError(f"state_dict has no key {key!r}; pass the output of state_dict().")
         if state_dict["mechanism"] != self.mechanism():
             raise ValueError(
@@ -83,4 +261,18 @@ class IAccountant(abc.ABC):
                 f"accountant of mechanism {self.mechanism()!r}; create_accountant("
                 f"{state_dict['mechanism']!r}) instead."
             )
-        self.history = [(float(s), float(q), int(n)) for s, q, n in state_dict["history"]]
+        if "neighboring_relation" in state_dict:
+            self.neighboring_relation = check_relation(state_dict["neighboring_relation"])
+        if "events" in state_dict:
+            self._events = []
+            for d, n in state_dict["events"]:
+                self.compose(event_from_dict(d), int(n))
+        else:
+            self.history = [(float(s), float(q), int(n)) for s, q, n in state_dict["history"]]
+
+
+def _check_step(noise_multiplier: float, sample_rate: float) -> None:
+    if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}.")
+    if not 0.0 <= sample_rate <= 1.0:
+        raise ValueError(f"sample_rate must lie in [0, 1], got {sample_rate}.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .accountant import IAccountant
 from .gdp import GaussianAccountant
 from .pld import PLDAccountant
@@ -27,15 +29,17 @@ def register_accountant(mechanism: str, accountant: type[IAccountant], force: bo
     _ACCOUNTANTS[mechanism] = accountant
 
 
-def create_accountant(mechanism: str) -> IAccountant:
-    """A new accountant for ``mechanism`` (``"rdp"``, ``"gdp"``, ``"prv"``, ``"pld"`` or registered)."""
+def create_accountant(mechanism: str, **kwargs: Any) -> IAccountant:
+    """A new accountant for ``mechanism`` (``"rdp"``, ``"gdp"``, ``"prv"``, ``"pld"`` or
+    registered); ``kwargs`` (e.g. ``neighboring_relation="replace_one"``) go to its constructor."""
     try:
-        return _ACCOUNTANTS[mechanism]()
+        cls = _ACCOUNTANTS[mechanism]
     except KeyError:
         raise ValueError(
             f"unknown accounting mechanism {mechanism!r}; choose one of {sorted(_ACCOUNTANTS)} "
             "or register it with register_accountant()."
         ) from None
+    return cls(**kwargs)
 
 
 def available_accountants() -> list[str]:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from .accountant import IAccountant
+from .events import FixedSizeBatchEvent, PoissonSampledEvent, SelfComposedEvent, flatten
 from .registry import create_accountant
 
 MAX_SIGMA = 1e6
@@ -228,3 +229,61 @@ def _interpolation_search(
         if sigma > MAX_SIGMA:
             break
     return _bisect(eps_at, target, tol)
+
+
+def _clone(accountant: IAccountant, relation: str, events: list) -> IAccountant:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the GDP accountant's construction warning
+        acc = type(accountant)(neighboring_relation=relation)
+    acc.events = events
+    return acc
+
+
+def engine_epsilon(accountant: IAccountant, delta: float) -> float:
+    """The ε that ``PrivacyEngine.get_epsilon`` reports.
+
+    For Poisson-sampled steps: ``accountant.get_epsilon(delta)``. For fixed-size batches
+    (``poisson_sampling=False``: :class:`~.events.FixedSizeBatchEvent` in the history) the
+    Poisson figure is not a guarantee, so it returns the sound bound instead: no amplification
+    by sampling (each pass over the data loader is one Gaussian mechanism for each record),
+    under the replace-one relation (the data set size is public), and warns
+    (``UserWarning``) with these assumptions, the pass length and the Poisson figure beside it.
+    """
+    leaves = flatten(accountant.events)
+    fixed = [e for e, _ in leaves if isinstance(e, FixedSizeBatchEvent)]
+    if not fixed:
+        return accountant.get_epsilon(delta=delta)
+    sound = accountant
+    if accountant.neighboring_relation != "replace_one":
+        sound = _clone(accountant, "replace_one", accountant.events)
+    eps = sound.get_epsilon(delta=delta)
+    nominal = [
+        SelfComposedEvent(
+            PoissonSampledEvent(e.sample_rate, e.event) if isinstance(e, FixedSizeBatchEvent) else e, n
+        )
+        for e, n in leaves
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        poisson = _clone(accountant, accountant.neighboring_relation, nominal).get_epsilon(delta=delta)
+    poisson_note = (
+        f" Accounted as Poisson sampling at q = {fixed[-1].sample_rate:.4g} (what "
+        f"poisson_sampling=True would draw) it would be {poisson:.4g}, which is not a guarantee "
+        "for these batches."
+    )
+    m = fixed[-1].steps_per_epoch
+    if m > 1:
+        usage = (f"each record is used in at most one optimizer step of each pass over the data "
+                 f"loader ({m} steps), and every pass runs to its end (a pass cut short and "
+                 "restarted without a checkpoint is not seen)")
+    else:
+        usage = ("the data loader's sampler is not known to use each record at most once per "
+                 "pass, so every step is charged as if it used every record (at most once)")
+    warnings.warn(
+        f"poisson_sampling=False: epsilon = {eps:.4g} at delta = {delta:g} is a proven bound "
+        "under the replace-one relation (the data set size is public; neighbours differ in one "
+        f"record's value) with no amplification by sampling: {usage}.{poisson_note}",
+        UserWarning,
+        stacklevel=3,
+    )
+    return eps

@@ -21,45 +21,30 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ..accountants.events import (
+    FixedSizeBatchEvent,
+    GaussianEvent,
+    PoissonSampledEvent,
+    PrivacyEvent,
+)
 from ..clipping import ClippingContract
 from ..grad_sample.gsm_base import _check_loss_reduction, clear_grad_sample
 from ..grad_sample.step_record import StepRecord, records_for
 from ..utils.randomness import generate_noise
 from .arguments import check_noise_generator, check_noise_multiplier
+from .multi_pass import multi_pass_variant
+from .unit_grads import (
+    UnitGrads,
+    _as_passes,
+    _check_processed_flag,
+    _has_pass_axis,
+    _mark_as_processed,
+    flat_norms,
+    multi_pass_requested,
+)
 from .utils import params as optimizer_params
 
-#: ``(p, per-unit gradient (P, B, *p.shape))`` of each parameter with per-sample gradients
-UnitGrads = list[tuple[nn.Parameter, torch.Tensor]]
-
 __all__ = ["DPOptimizer"]
-
-
-def _mark_as_processed(obj: torch.Tensor | list[torch.Tensor]) -> None:
-    """Marks a tensor (or each tensor of a list) as consumed by an optimizer step."""
-    if isinstance(obj, torch.Tensor):
-        obj._processed = True
-    elif isinstance(obj, list):
-        for x in obj:
-            x._processed = True
-
-
-def _check_processed_flag_tensor(x: torch.Tensor) -> None:
-    """Raises ``ValueError`` if the tensor ``x`` was already consumed by a step."""
-    if hasattr(x, "_processed"):
-        raise ValueError(
-            "Gradients haven't been cleared since the last optimizer step. Call "
-            "optimizer.zero_grad() after every optimizer.step(), or the same per-sample "
-            "gradients would be used (and their privacy spent) twice."
-        )
-
-
-def _check_processed_flag(obj: torch.Tensor | list[torch.Tensor]) -> None:
-    """Raises ``ValueError`` if ``obj`` was already consumed by a step (no ``zero_grad`` since)."""
-    if isinstance(obj, torch.Tensor):
-        _check_processed_flag_tensor(obj)
-    elif isinstance(obj, list):
-        for x in obj:
-            _check_processed_flag_tensor(x)
 
 
 def _generate_noise(
@@ -70,6 +55,27 @@ def _generate_noise(
 ) -> torch.Tensor:
     """``N(0, std²)`` noise shaped like ``reference`` (OS CSPRNG when ``secure_mode``)."""
     return generate_noise(std, reference, generator=generator, secure_mode=secure_mode)
+
+
+def _draw_flat_noise(
+    owner: Any, params: list[nn.Parameter], std: float
+) -> dict[int, torch.Tensor]:
+    """``{id(p): N(0, std²) noise shaped like p.summed_grad}``: one ``normal_`` of the owner's
+    generator per (dtype, device) into a flat buffer kept on ``owner`` (grown when needed)."""
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault((p.summed_grad.dtype, p.summed_grad.device), []).append(p)
+    buffers = owner.__dict__.setdefault("_noise_buffers", {})
+    out = {}
+    for key, ps in groups.items():
+        n = sum(p.summed_grad.numel() for p in ps)
+        buf = buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = buffers[key] = torch.empty(n, dtype=key[0], device=key[1])
+        flat = buf[:n].normal_(0.0, std, generator=owner.generator)
+        for p, chunk in zip(ps, flat.split([p.summed_grad.numel() for p in ps])):
+            out[id(p)] = chunk
+    return out
 
 
 def _has_nonzero_grad(p: torch.Tensor) -> bool:
@@ -92,24 +98,15 @@ def _get_flat_grad_sample(p: torch.Tensor) -> torch.Tensor:
     return gs
 
 
-def _has_pass_axis(gs: torch.Tensor | list[torch.Tensor], p: torch.Tensor) -> bool:
-    """Whether ``gs`` is a multi-pass per-sample gradient ``(P, B, *p.shape)``."""
-    return isinstance(gs, torch.Tensor) and gs.dim() == p.dim() + 2
+class _StepHooks:
+    """Several step hooks called in order, as one callable."""
 
+    def __init__(self, hooks: tuple[Callable[[Any], None], ...]):
+        self.hooks = hooks
 
-def _as_passes(gs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """View a per-sample gradient as ``(P, B, *p.shape)``."""
-    return gs if _has_pass_axis(gs, p) else gs.unsqueeze(0)
-
-
-def _multi_pass_requested(kwargs: dict[str, Any]) -> bool:
-    """Whether constructor keyword arguments ask for multi-pass training: ``accum_passes``,
-    ``num_private_passes`` or ``auto_clip_and_accum_on_step=False``."""
-    return (
-        kwargs.get("accum_passes") is not None
-        or kwargs.get("num_private_passes") is not None
-        or not kwargs.get("auto_clip_and_accum_on_step", True)
-    )
+    def __call__(self, optimizer: Any) -> None:
+        for hook in self.hooks:
+            hook(optimizer)
 
 
 class _MultiPassDispatch(Optimizer):
@@ -128,9 +125,7 @@ class _MultiPassDispatch(Optimizer):
     supports_multi_pass: ClassVar[bool] = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _MultiPassDispatch:
-        if cls.supports_multi_pass and _multi_pass_requested(kwargs):
-            from .multi_pass import multi_pass_variant
-
+        if cls.supports_multi_pass and multi_pass_requested(kwargs):
             cls = multi_pass_variant(cls)
         return super().__new__(cls)
 
@@ -183,7 +178,7 @@ class DPOptimizer(_MultiPassDispatch):
                 "expected_batch_size must be a positive integer with loss_reduction='mean' "
                 f"(got {expected_batch_size}); it is sample_rate * len(dataset)."
             )
-        if _multi_pass_requested(
+        if multi_pass_requested(
             dict(
                 accum_passes=accum_passes,
                 num_private_passes=num_private_passes,
@@ -207,7 +202,8 @@ class DPOptimizer(_MultiPassDispatch):
         self.expected_batch_size = expected_batch_size
         self.generator = generator
         self.secure_mode = secure_mode
-        self.step_hook: Callable[[DPOptimizer], None] | None = None
+        #: run in order at every real step (the accountant's first); see :attr:`step_hook`
+        self.step_hooks: list[Callable[[DPOptimizer], None]] = []
         self._step_skip_queue: list[bool] = []
         self._is_last_step_skipped = False
         self._summed_bound: float | tuple[float, ...] | None = None  # C of the pending sum
@@ -347,14 +343,7 @@ class DPOptimizer(_MultiPassDispatch):
 
     def per_sample_norms(self, unit_grads: UnitGrads | None = None) -> torch.Tensor:
         """L2 norm over all parameters of each unit's gradient, ``(P, B)``."""
-        unit_grads = self._unit_grad_samples() if unit_grads is None else unit_grads
-        if not unit_grads:
-            return torch.zeros(1, 0)
-        # vector_norm avoids a squared copy of every per-sample gradient (15x faster on CPU)
-        sq = torch.stack(
-            [torch.linalg.vector_norm(gs.flatten(2), dim=2).pow(2) for _, gs in unit_grads], dim=0
-        )
-        return sq.sum(0).sqrt()
+        return flat_norms(self._unit_grad_samples() if unit_grads is None else unit_grads)
 
     def compute_clip_factors(self, unit_grads: UnitGrads | None = None) -> list[torch.Tensor]:
         """Per-parameter clip factors ``(P, B)``: ``min(1, C / (norm + 1e-6))``."""
@@ -395,12 +384,22 @@ class DPOptimizer(_MultiPassDispatch):
 
     # noise, scaling, step --------------------------------------------------------------------
     def add_noise(self) -> None:
-        """``p.grad = p.summed_grad + N(0, (σ · C · noise_scale_factor)²)``."""
+        """``p.grad = p.summed_grad + N(0, (σ · C · noise_scale_factor)²)``.
+
+        Without secure mode the noise of all parameters (of one dtype and device) is one draw
+        of torch's generator into a flat buffer allocated once; ``p.grad`` is a new tensor,
+        never a view of that buffer. Secure mode draws each tensor from the OS CSPRNG."""
         std = self.noise_std
-        for p in self.params:
+        params = self.params
+        for p in params:
             _check_processed_flag(p.summed_grad)
-            noise = _generate_noise(std, p.summed_grad, self.generator, self.secure_mode)
-            p.grad = noise.add_(p.summed_grad).view_as(p)  # in place: one tensor, not two
+        flat = None if self.secure_mode or std == 0 else _draw_flat_noise(self, params, std)
+        for p in params:
+            if flat is None:
+                noise = _generate_noise(std, p.summed_grad, self.generator, self.secure_mode)
+                p.grad = noise.add_(p.summed_grad).view_as(p)  # in place: one tensor, not two
+            else:
+                p.grad = torch.add(p.summed_grad, flat[id(p)].view_as(p.summed_grad)).view_as(p)
             _mark_as_processed(p.summed_grad)
 
     def scale_grad(self) -> None:
@@ -422,9 +421,41 @@ class DPOptimizer(_MultiPassDispatch):
             return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
         return False
 
+    def privacy_event(self, sample_rate: float, steps_per_epoch: int | None = None) -> PrivacyEvent:
+        """The privacy event of one released step (what the accountant hook composes): a
+        Gaussian with noise ``σ·k`` and sensitivity ``k`` clipped units (``k`` =
+        ``noise_scale_factor``: the private passes of split multi-pass clipping, else 1; public
+        passes add nothing), on a Poisson batch of rate ``sample_rate · accumulated_iterations``,
+        or, with ``steps_per_epoch`` (fixed-size batches), on a batch of a pass of
+        ``steps_per_epoch // accumulated_iterations`` steps."""
+        k = self.noise_scale_factor
+        gaussian = GaussianEvent(self.noise_multiplier * k, sensitivity=k)
+        rate = sample_rate * self.accumulated_iterations
+        if steps_per_epoch is None:
+            return PoissonSampledEvent(rate, gaussian)
+        steps = max(1, steps_per_epoch // self.accumulated_iterations)
+        return FixedSizeBatchEvent(gaussian, steps, min(rate, 1.0))
+
     def attach_step_hook(self, fn: Callable[[DPOptimizer], None]) -> None:
-        """``fn(optimizer)`` runs at every real (non-skipped) step, after noise (accountants)."""
-        self.step_hook = fn
+        """``fn(optimizer)`` runs at every real (non-skipped) step, after noise, after the hooks
+        attached before it. Unlike Opacus, where a second hook replaces the first, attaching a
+        hook never detaches the accountant's: a replaced accountant hook would stop counting
+        steps and under-report epsilon without a word."""
+        self.step_hooks.append(fn)
+
+    @property
+    def step_hook(self) -> Callable[[DPOptimizer], None] | None:
+        """Opacus's attribute: the step hooks as one callable (``None`` without hooks).
+        Assigning it replaces every hook, the accountant's included, as in Opacus: wrap the
+        previous value to keep it."""
+        hooks = tuple(self.step_hooks)
+        if len(hooks) <= 1:
+            return hooks[0] if hooks else None
+        return _StepHooks(hooks)
+
+    @step_hook.setter
+    def step_hook(self, fn: Callable[[DPOptimizer], None] | None) -> None:
+        self.step_hooks = [] if fn is None else [fn]
 
     def pre_step(self, closure: Callable | None = None) -> bool:
         """Clip, accumulate, noise, scale and run hooks; ``False`` when the step is skipped."""
@@ -439,8 +470,8 @@ class DPOptimizer(_MultiPassDispatch):
         self.scale_grad()
         for rec in self.records:
             rec.mark_released()
-        if self.step_hook is not None:
-            self.step_hook(self)
+        for hook in tuple(self.step_hooks):
+            hook(self)
         self._is_last_step_skipped = False
         return True
 

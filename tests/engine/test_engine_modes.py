@@ -229,3 +229,34 @@ def test_prewrapped_fast_module_adopts_the_optimizers_contract(mode):
     assert module is gsm and module.clipping is optimizer.clipping
     optimizer.max_grad_norm = 0.25
     assert module.clipping.max_grad_norm == 0.25
+
+
+def test_user_step_hook_keeps_the_accountant_counting():
+    """Opacus: attach_step_hook replaces the accountant's hook, so accounting silently stops.
+    dptorch runs both; assigning ``step_hook`` (Opacus's attribute) replaces them all."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dptorch import PrivacyEngine
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(40, 4), torch.randint(0, 3, (40,)))
+    net = torch.nn.Linear(4, 3)
+    engine = PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=10), noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    seen = []
+    opt.attach_step_hook(lambda o: seen.append(len(engine.accountant)))
+    for x, y in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert len(engine.accountant) == len(loader) > 0
+    assert seen == list(range(1, len(loader) + 1))  # after the accountant's, at every step
+    accountant_hook = opt.step_hooks[0]
+    opt.step_hook = None
+    assert opt.step_hook is None and opt.step_hooks == []
+    opt.step_hook = accountant_hook
+    assert opt.step_hook is accountant_hook

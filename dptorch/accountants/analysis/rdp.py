@@ -19,6 +19,15 @@ space:
   its peak.
 
 Special cases are exact: ``q = 0`` gives 0, ``q = 1`` gives ``α / (2σ²)``, ``σ = 0`` gives ∞.
+
+**Replace-one** (``relation="replace_one"``): one record's contribution ``+1`` is replaced by
+``−1`` (the convention of :mod:`.sgm_loss`), so the pair is ``P = (1 − q) N(0, σ²) + q N(1, σ²)``,
+``Q = (1 − q) N(0, σ²) + q N(−1, σ²)``, symmetric under ``x → −x`` (one order is both). Its
+Rényi divergence ``log ∫ P^α Q^{1−α} / (α − 1)`` has no binomial form; it is integrated by the
+same log-space trapezoid rule (the integrand is analytic in the strip ``|Im x| < πσ²``; its mass
+lies between ``x = 0`` and ``x = 2α − 1``, where the ``N(1)``/``N(−1)`` exponents balance, and the
+range is cut 12σ beyond). At ``q = 1`` it is the Gaussian mechanism of sensitivity 2:
+``2α/σ²``.
 """
 
 from __future__ import annotations
@@ -75,12 +84,31 @@ def _log_a_fractional(q: float, sigma: float, alpha: float) -> float:
     return _logsumexp(log_f) + math.log(dz)
 
 
-def _compute_rdp_single(q: float, sigma: float, alpha: float) -> float:
+def _log_a_replace_one(q: float, sigma: float, alpha: float) -> float:
+    """log ∫ P^α Q^{1−α} for the replace-one pair (0 < q < 1, σ > 0, α > 1)."""
+    step = min(sigma / 10.0, sigma * sigma / 3.0)
+    lo = -12.0 * sigma - 1.0
+    hi = 2.0 * alpha + 12.0 * sigma
+    n = min(int(math.ceil((hi - lo) / step)) + 1, _MAX_NODES)
+    z = np.linspace(lo, hi, n)
+    dz = z[1] - z[0]
+    s2 = 2.0 * sigma**2
+    base = -z * z / s2 - math.log(sigma * math.sqrt(2.0 * math.pi))
+    log_p = np.logaddexp(math.log1p(-q), math.log(q) + (2.0 * z - 1.0) / s2)
+    log_q = np.logaddexp(math.log1p(-q), math.log(q) + (-2.0 * z - 1.0) / s2)
+    return _logsumexp(base + alpha * log_p + (1.0 - alpha) * log_q) + math.log(dz)
+
+
+def _compute_rdp_single(q: float, sigma: float, alpha: float, relation: str = "add_remove") -> float:
     """RDP at order α of one step of the Poisson-subsampled Gaussian mechanism."""
     if q == 0:
         return 0.0
     if sigma == 0 or math.isinf(alpha):
         return math.inf
+    if relation == "replace_one":
+        if q == 1.0:
+            return 2.0 * alpha / sigma**2
+        return max(_log_a_replace_one(q, sigma, float(alpha)), 0.0) / (alpha - 1.0)
     if q == 1.0:
         return alpha / (2.0 * sigma**2)
     if float(alpha).is_integer():
@@ -103,7 +131,8 @@ def _validate(q: float, noise_multiplier: float, steps: int, orders: np.ndarray)
 
 
 def compute_rdp(
-    *, q: float, noise_multiplier: float, steps: int, orders: Orders
+    *, q: float, noise_multiplier: float, steps: int, orders: Orders,
+    relation: str = "add_remove",
 ) -> Union[np.ndarray, float]:
     """Rényi DP of ``steps`` compositions of the Poisson-subsampled Gaussian mechanism.
 
@@ -112,6 +141,7 @@ def compute_rdp(
         noise_multiplier: σ, the noise standard deviation divided by the L2 sensitivity.
         steps: number of compositions.
         orders: one order α > 1 or a sequence of them.
+        relation: ``"add_remove"`` (default) or ``"replace_one"`` (module docstring).
 
     Returns:
         ``steps · RDP(α)`` for each order (a float for a scalar order, else an array);
@@ -120,7 +150,9 @@ def compute_rdp(
     scalar = np.ndim(orders) == 0
     orders_arr = np.atleast_1d(np.asarray(orders, dtype=np.float64))
     _validate(q, noise_multiplier, steps, orders_arr)
-    rdp = np.array([_compute_rdp_single(q, noise_multiplier, a) for a in orders_arr])
+    if relation not in ("add_remove", "replace_one"):
+        raise ValueError(f"relation must be 'add_remove' or 'replace_one', got {relation!r}.")
+    rdp = np.array([_compute_rdp_single(q, noise_multiplier, a, relation) for a in orders_arr])
     # 0 * inf would be nan: zero steps cost nothing
     rdp = np.where(steps == 0, 0.0, rdp * steps)
     return float(rdp[0]) if scalar else rdp
