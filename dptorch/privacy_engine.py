@@ -320,7 +320,7 @@ class PrivacyEngine:
         a = _arguments(locals(), noise_multiplier=None)
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
             raise ValueError(f"epochs must be a positive integer, got {epochs!r}.")
-        epsilon_tolerance = kwargs.pop("epsilon_tolerance", 0.01)
+        epsilon_tolerance = kwargs.pop("epsilon_tolerance", 0.001)
         calibrate = partial(  # called with the sample rate and N once they are checked
             calibrate_noise_multiplier, self.accountant, target_epsilon=target_epsilon,
             target_delta=target_delta, epochs=epochs, epsilon_tolerance=epsilon_tolerance,

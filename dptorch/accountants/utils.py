@@ -29,9 +29,11 @@ def get_noise_multiplier(
     steps: Optional[int] = None,
     accountant: str = "prv",
     epsilon_tolerance: float = 0.01,
+    neighboring_relation: str = "add_remove",
     **kwargs: Any,
 ) -> float:
-    """Smallest noise multiplier σ (within ``epsilon_tolerance``) with ε(σ) ≤ ``target_epsilon``.
+    """Smallest noise multiplier σ (within ``epsilon_tolerance``) with ε(σ) ≤ ``target_epsilon``
+    under ``neighboring_relation`` (``"add_remove"`` or ``"replace_one"``).
 
     Runs ``steps`` (or ``int(epochs / sample_rate)``) steps at ``sample_rate``. σ is bracketed by
     doubling, then bisected until the bracket is narrower than ``epsilon_tolerance`` *and*
@@ -62,7 +64,8 @@ def get_noise_multiplier(
     if steps < 1:
         raise ValueError(f"the number of steps must be >= 1, got {steps}; raise epochs or steps.")
 
-    acc = create_accountant(accountant)
+    relation = {} if neighboring_relation == "add_remove" else {"neighboring_relation": neighboring_relation}
+    acc = create_accountant(accountant, **relation)
 
     def eps_at(sigma: float) -> float:
         acc.history = [(sigma, sample_rate, steps)]
@@ -74,7 +77,7 @@ def get_noise_multiplier(
         return _bisect(eps_at, target_epsilon, epsilon_tolerance)
     # an expensive accountant: start from the RDP calibration (RDP's ε is an upper bound, so its
     # σ is slightly above the answer) and its local slope, then interpolate on the real ε
-    rdp = create_accountant("rdp")
+    rdp = create_accountant("rdp", **relation)
 
     def rdp_at(sigma: float) -> float:
         rdp.history = [(sigma, sample_rate, steps)]
@@ -120,10 +123,11 @@ def calibrate_noise_multiplier(
     target_delta: float,
     sample_rate: float,
     epochs: int,
-    epsilon_tolerance: float = 0.01,
+    epsilon_tolerance: float = 0.001,
     num_records: int | None = None,
 ) -> float:
-    """:func:`get_noise_multiplier` under ``accountant``'s mechanism, warning (``UserWarning``)
+    """:func:`get_noise_multiplier` under ``accountant``'s mechanism and neighbouring relation
+    (the reached ε is at most ``epsilon_tolerance`` below the target, never above), warning (``UserWarning``)
     when ``target_delta >= 1/N`` (N = ``num_records``), when ``accountant`` already accounted
     steps (the total ε will exceed the target) and when σ exceeds
     :data:`EXTREME_NOISE_MULTIPLIER`."""
@@ -134,6 +138,7 @@ def calibrate_noise_multiplier(
         epochs=epochs,
         accountant=accountant.mechanism(),
         epsilon_tolerance=epsilon_tolerance,
+        neighboring_relation=getattr(accountant, "neighboring_relation", "add_remove"),
     )
     warn_if_weak_delta(target_delta, num_records, "target_delta", stacklevel=5)
     if len(accountant) > 0:

@@ -87,11 +87,12 @@ class AbstractGradSampleModule(nn.Module, ABC):
         return [p for p in self._module.parameters() if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Clears ``p.grad`` (zeroed, or ``None`` with ``set_to_none=True``) and removes every
-        per-sample-gradient attribute, whatever ``set_to_none`` (per-sample gradients of
-        successive passes may differ in batch size, so they cannot be zeroed in place)."""
+        """Clears ``p.grad`` (zeroed, or ``None`` with ``set_to_none=True``) and sets
+        ``p.grad_sample = None`` (other per-sample state removed), whatever ``set_to_none``
+        (per-sample gradients of successive passes may differ in batch size, so they cannot be
+        zeroed in place), as Opacus does."""
         super().zero_grad(set_to_none=set_to_none)
-        self.del_grad_sample()
+        self.set_grad_sample_to_none()
 
     def del_grad_sample(self) -> None:
         """Removes every per-sample-gradient attribute from the parameters."""

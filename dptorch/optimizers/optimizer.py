@@ -530,13 +530,15 @@ class DPOptimizer(_MultiPassDispatch):
         return _unit_views(params, passes)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Clears gradients (``p.grad`` zeroed, or ``None`` with ``set_to_none=True``) and removes
-        per-sample gradients whatever ``set_to_none``; keeps ``summed_grad`` after a skipped step
-        so that physical batches accumulate into one logical batch. Starts a new step record."""
+        """Clears gradients (``p.grad`` zeroed, or ``None`` with ``set_to_none=True``) and sets
+        ``p.grad_sample = None`` whatever ``set_to_none`` (as Opacus); keeps ``summed_grad`` after
+        a skipped step so that physical batches accumulate into one logical batch. Starts a new
+        step record."""
         for rec in self.records:
             rec.reset()
         for p in self.params:
             clear_grad_sample(p)
+            p.grad_sample = None
             if not self._is_last_step_skipped:
                 p.summed_grad = None
         if not self._is_last_step_skipped:

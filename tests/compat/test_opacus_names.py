@@ -53,7 +53,7 @@ def test_zero_grad_defaults_zero_the_grads_and_drop_grad_samples():
     gsm.zero_grad()
     for p in gsm.parameters():
         assert p.grad is not None and not p.grad.any()
-        assert not hasattr(p, "grad_sample")
+        assert p.grad_sample is None  # Opacus: None, not a deleted attribute
     gsm.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in gsm.parameters())
 
@@ -295,3 +295,32 @@ def test_rand_on_empty_is_refused():
         wrap_collate_with_empty(collate_fn=default_collate, rand_on_empty=True)
     with pytest.raises(ValueError, match="rand_on_empty"):
         CollateFnWithEmpty(default_collate, True, True)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ew", "ghost", "bk"])
+def test_optimizer_zero_grad_leaves_grad_sample_none(mode):
+    """Opacus sets ``p.grad_sample = None`` in ``zero_grad``: code that reads it after a step
+    gets None, not AttributeError."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dptorch import PrivacyEngine
+
+    torch.manual_seed(0)
+    net = _model()
+    data = TensorDataset(torch.randn(30, 4), torch.randint(0, 2, (30,)))
+    out = PrivacyEngine().make_private(
+        module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=10), noise_multiplier=1.0, max_grad_norm=1.0,
+        grad_sample_mode=mode,
+    )
+    model, opt = out[0], out[1]
+    x, y = next(iter(out[-1]))
+    if mode == "ghost":  # (model, optimizer, criterion, loader)
+        out[2](model(x), y).backward()
+    else:
+        nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(p.grad_sample is None for p in model.parameters())
+    model.zero_grad()
+    assert all(p.grad_sample is None for p in model.parameters())
