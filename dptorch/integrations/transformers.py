@@ -621,6 +621,7 @@ class DPTrainer(Trainer):
         extra = {}
         if pa.grad_sample_mode == "ghost":
             extra["criterion"] = _PrecomputedLoss()
+        self.model.train()  # the Trainer trains it anyway; make_private checks training mode
         out = engine.make_private(
             module=self.model,
             optimizer=optimizer,

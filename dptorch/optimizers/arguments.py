@@ -88,7 +88,9 @@ def check_optimizer_params(module: nn.Module, optimizer: optim.Optimizer) -> Non
     ]
     if foreign:
         raise ValueError(
-            "The optimizer has parameters that are not the model's: optimizer parameter "
+            # Opacus's text first: code written for Opacus catches or matches it
+            "Module parameters are different than optimizer Parameters. The optimizer has "
+            "parameters that are not the model's: optimizer parameter "
             + ", ".join(foreign)
             + ". Build the optimizer from model.parameters() of this model (after any "
             "ModuleValidator.fix, which copies the model)."

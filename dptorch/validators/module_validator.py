@@ -18,6 +18,7 @@ from torch import nn
 
 from ..grad_sample.grad_sample_module import GradSampleModule, per_sample_gradient_problems
 from .errors import (
+    IllegalModuleConfigurationError,
     ShouldReplaceModuleError,
     UnsupportableModuleError,
     UnsupportedModuleError,
@@ -52,6 +53,13 @@ class ModuleValidator:
         (nothing is raised for a valid model).
         """
         errors: list[UnsupportedModuleError] = []
+        if not module.training:
+            errors.append(
+                IllegalModuleConfigurationError(
+                    "Model needs to be in training mode (call model.train() before "
+                    "make_private; per-sample gradients are computed in training passes)."
+                )
+            )
         reported: set[str] = set()
         for name, sub in module.named_modules():
             rule = cls.VALIDATORS.get(type(sub))

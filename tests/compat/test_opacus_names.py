@@ -324,3 +324,34 @@ def test_optimizer_zero_grad_leaves_grad_sample_none(mode):
     assert all(p.grad_sample is None for p in model.parameters())
     model.zero_grad()
     assert all(p.grad_sample is None for p in model.parameters())
+
+
+def _make_private(net, optimizer):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dptorch import PrivacyEngine
+
+    data = TensorDataset(torch.randn(30, 4), torch.randint(0, 2, (30,)))
+    return PrivacyEngine().make_private(
+        module=net, optimizer=optimizer, data_loader=DataLoader(data, batch_size=10),
+        noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+
+
+def test_opacus_message_for_foreign_optimizer_parameters():
+    net, other = _model(), _model()
+    with pytest.raises(ValueError, match="Module parameters are different than optimizer Parameters"):
+        _make_private(net, torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_opacus_message_for_eval_mode():
+    from dptorch.validators import ModuleValidator
+    from dptorch.validators.errors import IllegalModuleConfigurationError, UnsupportedModuleError
+
+    net = _model().eval()
+    errors = ModuleValidator.validate(net)
+    assert [type(e) for e in errors] == [IllegalModuleConfigurationError]
+    assert "Model needs to be in training mode" in str(errors[0])
+    with pytest.raises(UnsupportedModuleError, match="Model needs to be in training mode"):
+        _make_private(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert ModuleValidator.validate(net.train()) == []
