@@ -171,8 +171,9 @@ class _ConvInputGradOnly(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.conf
         n = weight.dim() - 2
+        # under autocast the forward ran in g's precision: differentiate that convolution
         gx, _, _ = torch.ops.aten.convolution_backward(
-            g, x, weight, None, list(stride), list(padding), list(dilation), False, [0] * n,
+            g, x.to(g.dtype), weight.to(g.dtype), None, list(stride), list(padding), list(dilation), False, [0] * n,
             groups, [True, False, False],
         )
         return gx, None, None, None, None, None, None

@@ -378,7 +378,9 @@ class GradSampleModule(AbstractGradSampleModule):
         )
         self._queue_end_of_backward()
         n = self._check_rows(module, backprops.shape[0])
-        self._process_call(module, activations, backprops, forward_kwargs, n)
+        activations, backprops = _in_parameter_precision(module, activations, backprops)
+        with torch.autocast(backprops.device.type, enabled=False):
+            self._process_call(module, activations, backprops, forward_kwargs, n)
 
     def _check_rows(self, module: nn.Module, rows: int) -> int:
         """The rows every per-sample tensor of this call must have, else ``ValueError``.
@@ -720,6 +722,25 @@ def _kwargs_to_positional(module: nn.Module, args: list, kwargs: dict) -> tuple[
         return args, kwargs
     bound.apply_defaults()
     return list(bound.args), dict(bound.kwargs)
+
+
+def _in_parameter_precision(module: nn.Module, activations: list, backprops: torch.Tensor):
+    """Mixed precision (``torch.autocast``): a layer's inputs and output gradient may be bf16 or
+    fp16 while its parameters are float32. Per-sample gradients, norms and clipped sums are then
+    computed in the parameters' precision (the low-precision values are upcast, never the
+    parameters downcast), so that norms are not under-estimated by bf16 round-off and the
+    released gradient has the parameters' dtype."""
+    dtype = next((p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), None)
+    if dtype is None:
+        return activations, backprops
+
+    def up(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            if torch.finfo(t.dtype).bits < torch.finfo(dtype).bits:
+                return t.to(dtype)
+        return t
+
+    return [up(a) for a in activations], up(backprops)
 
 
 def _first_tensor(x):

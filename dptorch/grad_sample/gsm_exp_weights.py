@@ -149,6 +149,13 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
 
         if not self.training or not torch.is_grad_enabled():
             return self._module(*args, **kwargs)
+        if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+            raise NotImplementedError(
+                "ExpandedWeights (grad_sample_mode='ew') cannot run under torch.autocast: torch's "
+                "per-sample rules multiply the autocast (bf16/fp16) activations with float32 "
+                "weights. Use grad_sample_mode='hooks', 'functorch', 'ghost' or 'bk', which "
+                "support mixed precision (per-sample norms in float32)."
+            )
         batch_size = infer_batch_size(args, kwargs, batch_first=True)
         if batch_size is None:
             raise ValueError(
