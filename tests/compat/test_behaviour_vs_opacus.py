@@ -1,0 +1,176 @@
+"""Code written for Opacus 1.6 behaves the same under dptorch: each snippet below runs once with
+``opacus`` and once with ``dptorch`` (same text, ``lib`` names the package), each library in a
+subprocess of its own; Opacus comes from ``.opacus-env``, a separate environment that
+``scripts/opacus_env.sh`` (run by the test command) installs. The outcomes must agree: the same
+result, or the same exception type with dptorch's message containing Opacus's text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OPACUS_ENV = ROOT / ".opacus-env"
+
+PRELUDE = """
+import importlib, json, sys, warnings
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+warnings.simplefilter("ignore")
+lib = sys.argv[1]
+def L(name):
+    return importlib.import_module(lib + name)
+def data(n=40, d=4):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, d, generator=g), torch.randint(0, 2, (n,), generator=g))
+def engine_and(model, optimizer, **kw):
+    kw.setdefault("noise_multiplier", 1.0)
+    kw.setdefault("max_grad_norm", 1.0)
+    engine = L("").PrivacyEngine()
+    return engine, engine.make_private(module=model, optimizer=optimizer,
+                                       data_loader=DataLoader(data(), batch_size=10), **kw)
+"""
+
+#: name -> snippet body; it sets ``result`` (JSON-serialisable)
+SNIPPETS: dict[str, str] = {
+    "zero_grad_keeps_attribute": """
+        torch.manual_seed(0)
+        net = nn.Linear(4, 2)
+        _, (model, opt, loader) = engine_and(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        x, y = next(iter(loader))
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        result = [p.grad_sample is None for p in model.parameters()]
+    """,
+    "foreign_optimizer_parameters": """
+        net, other = nn.Linear(4, 2), nn.Linear(4, 2)
+        engine_and(net, torch.optim.SGD(other.parameters(), lr=0.1))
+    """,
+    "eval_mode_model": """
+        net = nn.Linear(4, 2).eval()
+        engine_and(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    """,
+    "validate_eval_mode": """
+        errors = L(".validators").ModuleValidator.validate(nn.Linear(4, 2).eval())
+        result = [type(e).__name__ for e in errors]
+    """,
+    "fix_instance_norm_and_recurrent": """
+        MV = L(".validators").ModuleValidator
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True, track_running_stats=True))
+        fixed = MV.fix(m)
+        inorm = fixed[1]
+        result = {
+            "instance_norm": [type(inorm).__name__, inorm.affine, inorm.track_running_stats],
+            "lstm": type(MV.fix(nn.LSTM(4, 5, batch_first=True))).__name__,
+            "gru": type(MV.fix(nn.GRU(4, 5, num_layers=2))).__name__,
+            "mha": type(MV.fix(nn.MultiheadAttention(8, 2))).__name__,
+            "valid": MV.is_valid(fixed),
+        }
+    """,
+    "empty_poisson_batch_keeps_structure": """
+        g = torch.Generator().manual_seed(0)
+        ds = TensorDataset(torch.randn(30, 3, 4, dtype=torch.float64, generator=g),
+                           torch.randint(0, 2, (30,), generator=g))
+        DPDataLoader = L(".data_loader").DPDataLoader
+        loader = DPDataLoader.from_data_loader(DataLoader(ds, batch_size=10))
+        loader.batch_sampler.sample_rate = 1e-12
+        result = [[list(t.shape), str(t.dtype)] for t in next(iter(loader))]
+    """,
+    "ignore_index_per_sequence_loss": """
+        FGC = L(".utils.fast_gradient_clipping_utils").DPLossFastGradientClipping
+        torch.manual_seed(0)
+        net = nn.Linear(4, 5)
+        _, (model, opt, criterion, loader) = engine_and(
+            net, torch.optim.SGD(net.parameters(), lr=0.1), grad_sample_mode="ghost",
+            criterion=nn.CrossEntropyLoss(ignore_index=-100))
+        g = torch.Generator().manual_seed(1)  # the libraries use the global RNG differently
+        logits = model(torch.randn(3, 6, 4, generator=g))
+        target = torch.randint(0, 5, (3, 6), generator=g)
+        target[0, 2:] = -100
+        target[2, :5] = -100
+        loss = criterion(logits.reshape(-1, 5), target.reshape(-1), shape=(3, 6, 5))
+        result = [round(float(v), 6) for v in loss.loss_per_sample]
+    """,
+    "checkpoint_keys": """
+        import io
+        torch.manual_seed(0)
+        net = nn.Linear(4, 2)
+        engine, (model, opt, loader) = engine_and(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        buf = io.BytesIO()
+        engine.save_checkpoint(path=buf, module=model, optimizer=opt)
+        buf.seek(0)
+        ckpt = torch.load(buf, weights_only=False)
+        result = sorted(k for k in ckpt if k in ("module_state_dict", "privacy_accountant_state_dict",
+                                                  "optimizer_state_dict"))
+    """,
+}
+
+
+def _runner_source() -> str:
+    parts = [PRELUDE, "out = {}"]
+    for name, body in SNIPPETS.items():
+        parts.append(
+            f"def _snippet_{name}():\n"
+            + textwrap.indent(textwrap.dedent(body).strip() + "\nreturn locals().get('result')", "    ")
+            + f"\ntry:\n    out[{name!r}] = {{'result': _snippet_{name}()}}\n"
+            f"except Exception as e:\n    out[{name!r}] = {{'error': type(e).__name__, 'message': str(e)}}\n"
+        )
+    parts.append("print('RESULT' + json.dumps(out))")
+    return "\n".join(parts)
+
+
+def _run(lib: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if lib == "opacus":
+        env["PYTHONPATH"] = str(OPACUS_ENV)
+    proc = subprocess.run(
+        [sys.executable, "-c", _runner_source(), lib], capture_output=True, text=True, env=env,
+        cwd=ROOT, timeout=300,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line is not None, f"{lib} runner failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(line[len("RESULT"):])
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, dict]:
+    if not (OPACUS_ENV / "opacus" / "__init__.py").exists():
+        pytest.skip("Opacus 1.6 is not installed in .opacus-env (run scripts/opacus_env.sh)")
+    return {"opacus": _run("opacus"), "dptorch": _run("dptorch")}
+
+
+#: where Opacus's message is more than the text users match (Opacus prints the list of errors)
+MESSAGE_TEXT = {"eval_mode_model": "Model needs to be in training mode"}
+
+
+@pytest.mark.parametrize("name", list(SNIPPETS))
+def test_same_outcome_as_opacus(outcomes, name):
+    want, got = outcomes["opacus"][name], outcomes["dptorch"][name]
+    if "error" in want:
+        text = MESSAGE_TEXT.get(name, want["message"])
+        assert text in want["message"]
+        assert got.get("error") == want["error"], (want, got)
+        assert text in got["message"], (want, got)
+    else:
+        assert got == want, (want, got)
+
+
+def test_runner_sees_a_difference():
+    """The harness itself: the same snippet under two libraries that differ gives different
+    outcomes (here the package name), so agreement above is not an artefact of the runner."""
+    src = PRELUDE + "\nprint('RESULT' + json.dumps(lib))"
+    outs = [
+        subprocess.run([sys.executable, "-c", src, lib], capture_output=True, text=True, cwd=ROOT).stdout
+        for lib in ("opacus", "dptorch")
+    ]
+    assert outs[0] != outs[1]
