@@ -83,6 +83,7 @@ class AdaClipDPOptimizer(DPOptimizer):
             )
         if not (0 < min_clipbound < max_clipbound):
             raise ValueError(
+                "max_clipbound must be larger than min_clipbound. "  # Opacus's text
                 f"Need 0 < min_clipbound < max_clipbound, got {min_clipbound}, {max_clipbound}."
             )
         if not (0 <= target_unclipped_quantile <= 1):
@@ -95,6 +96,7 @@ class AdaClipDPOptimizer(DPOptimizer):
             raise ValueError(f"unclipped_num_std must be > 0, got {unclipped_num_std}.")
         if noise_multiplier > 0 and noise_multiplier >= 2 * unclipped_num_std:
             raise ValueError(
+                "noise_multiplier must be smaller than 2 * unclipped_num_std. "  # Opacus's text
                 f"noise_multiplier ({noise_multiplier}) must be < 2 * unclipped_num_std "
                 f"({2 * unclipped_num_std}): the count release alone would exceed the privacy "
                 "budget of noise_multiplier (Theorem 1, Andrew et al. 2021). Increase "

@@ -101,6 +101,18 @@ SNIPPETS: dict[str, str] = {
         loss = criterion(logits.reshape(-1, 5), target.reshape(-1), shape=(3, 6, 5))
         result = [round(float(v), 6) for v in loss.loss_per_sample]
     """,
+    "adaclip_bounds": """
+        net = nn.Linear(4, 2)
+        engine_and(net, torch.optim.SGD(net.parameters(), lr=0.1), clipping="adaptive",
+                   target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=1.0,
+                   min_clipbound=2.0, unclipped_num_std=5.0)
+    """,
+    "adaclip_noise_vs_count_std": """
+        net = nn.Linear(4, 2)
+        engine_and(net, torch.optim.SGD(net.parameters(), lr=0.1), clipping="adaptive",
+                   target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0,
+                   min_clipbound=0.1, unclipped_num_std=0.4)
+    """,
     "checkpoint_keys": """
         import io
         torch.manual_seed(0)
@@ -150,7 +162,10 @@ def outcomes() -> dict[str, dict]:
 
 
 #: where Opacus's message is more than the text users match (Opacus prints the list of errors)
-MESSAGE_TEXT = {"eval_mode_model": "Model needs to be in training mode"}
+MESSAGE_TEXT = {
+    "eval_mode_model": "Model needs to be in training mode",
+    "adaclip_noise_vs_count_std": "noise_multiplier must be smaller than 2 * unclipped_num_std",
+}
 
 
 @pytest.mark.parametrize("name", list(SNIPPETS))
