@@ -134,8 +134,6 @@ class PrivacyEngine:
         ``kwargs_check`` goes to :func:`check_optimizer_kwargs`. Returns the mode, whether the
         model is distributed and N, the number of records the data loader can yield."""
         check_flags_and_names(PrivacyEngine.make_private, vars(a))
-        if not a.wrap_model:
-            raise NotImplementedError("wrap_model=False is not supported; models are wrapped.")
         for c in a.max_grad_norm if isinstance(a.max_grad_norm, (list, tuple)) else [a.max_grad_norm]:
             check_bound(c)  # before make_private_with_epsilon's noise search
         mode = get_mode(a.grad_sample_mode)
@@ -194,9 +192,8 @@ class PrivacyEngine:
             extra["clipping"] = dp_optimizer.clipping
         module = a.module
         if not isinstance(module, AbstractGradSampleModule):
-            module = wrap_model(
-                module, mode.name, batch_first=a.batch_first, loss_reduction=a.loss_reduction, **extra
-            )
+            module = wrap_model(module, mode.name, a.wrap_model, batch_first=a.batch_first,
+                                loss_reduction=a.loss_reduction, **extra)
         elif mode.fast_clipping:  # wrapped by the user: adopt the optimizer's contract
             module.bind_clipping(dp_optimizer.clipping)
         if a.poisson_sampling:
@@ -272,7 +269,8 @@ class PrivacyEngine:
             grad_sample_mode: ``"hooks"``, ``"functorch"``, ``"ew"``, ``"ghost"``, ``"bk"``,
                 ``"no_op"`` (``p.grad_sample`` filled by the caller) or a mode registered with
                 :func:`dptorch.modes.register_mode`.
-            wrap_model: must be True (only wrapped models are supported).
+            wrap_model: ``False`` attaches the hooks to ``module`` itself (Opacus 1.6): keep
+                calling ``module``; the first returned object holds the hooks (``cleanup()``).
             multi_pass: several backward passes per step (GANs), each a slice of
                 ``p.grad_sample``; needs ``accum_passes`` (and ``num_private_passes`` when it is
                 False) in ``kwargs``, optionally ``auto_clip_and_accum_on_step``

@@ -13,14 +13,22 @@ from . import (  # noqa: F401  (each registers its layer rule)
     linear,
     rms_norm,
 )
-from .grad_sample_module import GradSampleModule, create_or_accumulate_grad_sample
-from .grad_sample_module_bk import GradSampleModuleBookKeeping  # noqa: E402
+from .grad_sample_module import (
+    GradSampleHooks,
+    GradSampleModule,
+    create_or_accumulate_grad_sample,
+)
+from .grad_sample_module_bk import (  # noqa: E402
+    GradSampleHooksBookKeeping,
+    GradSampleModuleBookKeeping,
+)
 from .grad_sample_module_fast_gradient_clipping import (  # noqa: E402
+    GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
 )
-from .gsm_base import AbstractGradSampleModule
+from .gsm_base import AbstractGradSampleHooks, AbstractGradSampleModule
 from .gsm_exp_weights import GradSampleModuleExpandedWeights
-from .gsm_no_op import GradSampleModuleNoOp  # noqa: E402  (registers grad_sample_mode="no_op")
+from .gsm_no_op import GradSampleHooksNoOp, GradSampleModuleNoOp  # noqa: E402  (registers grad_sample_mode="no_op")
 from .registry import (
     GRAD_SAMPLERS,
     LAYER_RULES,
@@ -33,7 +41,12 @@ from .registry import (
 from .utils import get_gsm_class, prepare_module, register_grad_sample_mode, wrap_model
 
 __all__ = [
+    "AbstractGradSampleHooks",
     "AbstractGradSampleModule",
+    "GradSampleHooksNoOp",
+    "GradSampleHooks",
+    "GradSampleHooksBookKeeping",
+    "GradSampleHooksFastGradientClipping",
     "GradSampleModule",
     "GradSampleModuleExpandedWeights",
     "GradSampleModuleNoOp",

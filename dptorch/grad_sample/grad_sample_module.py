@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -132,7 +133,10 @@ class GradSampleModule(AbstractGradSampleModule):
         self._expected_rows: int | None = None
         self._forward: _ForwardBatch | None = None
         self._trace: UseTrace | None = None
+        self._trace_hooks: list = []
+        self._trace_bsz: int | None = None
         self._trace_armed = True
+        self._root_handles: list = []
         self._sampled: dict[int, list[tuple[str, nn.Parameter]]] = {}
         self._trainable_signature: tuple = ()
         self.record = StepRecord()
@@ -142,19 +146,64 @@ class GradSampleModule(AbstractGradSampleModule):
         )
 
     def forward(self, *args, **kwargs):
+        if self._root_handles:  # attached in place: the module's own hooks do the work
+            return self._module(*args, **kwargs)
+        self._begin_forward(args, kwargs)
+        try:
+            out = self._module(*args, **kwargs)
+        except BaseException:
+            self._end_forward(None, failed=True)
+            raise
+        return self._end_forward(out, failed=False)
+
+    def _begin_forward(self, args, kwargs) -> None:
+        """Before a forward pass of the wrapped module: hooks for parameters unfrozen since the
+        last pass, the input's batch size, and (first pass) the use trace."""
         training = self._module.training and torch.is_grad_enabled() and self.hooks_enabled
         if training and self._trainable_signature != trainable_signature(self._module):
             self._refresh_units()
         self._forward = _ForwardBatch(infer_batch_size(args, kwargs, self.batch_first))
+        if training and self._trace_armed:
+            self._start_trace(args, kwargs)
+
+    def _end_forward(self, out, *, failed: bool):
+        """After the forward pass: the trace's verdict (raises on a problem) and the output's
+        batch size; returns ``out``."""
         try:
-            if training and self._trace_armed:
-                out = self._traced_forward(args, kwargs)
-            else:
-                out = self._module(*args, **kwargs)
-            self._forward.output_rows = output_batch_size(out, self.batch_first)
+            if self._trace is not None:
+                self._finish_trace(check=not failed)
+            if not failed:
+                self._forward.output_rows = output_batch_size(out, self.batch_first)
             return out
         finally:
             self._forward = None
+
+    # ------------------------------------------------------------------ in place (wrap_model=False)
+    def attach_to_module(self) -> None:
+        """Opacus's ``wrap_model=False``: the user keeps calling the original module, whose class
+        and identity are unchanged; a pre-hook and an always-called hook on it run what
+        :meth:`forward` runs around the call, so every check of the wrapped path applies."""
+        if self._root_handles:
+            return
+        m = self._module
+        self._root_handles = [
+            m.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True, prepend=True),
+            m.register_forward_hook(self._root_post_hook, with_kwargs=True, always_call=True),
+        ]
+
+    def detach_from_module(self) -> None:
+        for h in self._root_handles:
+            h.remove()
+        self._root_handles = []
+
+    def _root_pre_hook(self, module, args, kwargs):
+        self._begin_forward(args, kwargs)
+        if self._trace is not None:  # hooks registered now do not run for this very call
+            self._trace_enter(module, args, kwargs)
+
+    def _root_post_hook(self, module, args, kwargs, out):
+        if self._forward is not None:
+            self._end_forward(out, failed=sys.exc_info()[0] is not None)
 
     # ------------------------------------------------------------------ hooks management
     def add_hooks(
@@ -199,6 +248,7 @@ class GradSampleModule(AbstractGradSampleModule):
         self.autograd_grad_sample_hooks = []
 
     def cleanup(self) -> None:
+        self.detach_from_module()
         super().cleanup()
         unregister_record(self._module.parameters(), self.record)
         for remove in self._adapters:
@@ -262,31 +312,37 @@ class GradSampleModule(AbstractGradSampleModule):
             self._public_depth -= 1
 
     # ------------------------------------------------------------------ the traced forward
-    def _traced_forward(self, args, kwargs):
-        """The forward pass under a :class:`UseTrace`; raises if it finds a problem."""
+    def _start_trace(self, args, kwargs) -> None:
+        """Starts a :class:`UseTrace` of the forward pass (ended by :meth:`_finish_trace`)."""
         params = {
             id(p): (name, p) for name, p in self._module.named_parameters() if p.requires_grad
         }
         batch_inputs = list(tensors_in((args, kwargs)))
         bsz = self._forward.input_rows if batch_inputs else None
         trace = UseTrace(params, self._module_names, batch_inputs, bsz, 0 if self.batch_first else 1)
-        pre = [
+        self._trace_hooks = [
             m.register_forward_pre_hook(self._trace_enter, with_kwargs=True)
             for m in self.iterate_submodules(self._module)
         ]
+        self._trace_bsz = bsz
         self._trace = trace
+        trace.__enter__()
+
+    def _finish_trace(self, *, check: bool) -> None:
+        """Ends the trace; with ``check``, raises if it found a problem."""
+        trace, self._trace = self._trace, None
         try:
-            with trace:
-                out = self._module(*args, **kwargs)
+            trace.__exit__(None, None, None)
         finally:
-            self._trace = None
-            for h in pre:
+            for h in self._trace_hooks:
                 h.remove()
+            self._trace_hooks = []
+        if not check:
+            return
         trace.check()
         # a batch of 0 or 1 sample cannot tell batch data from shared data: trace again then
-        if bsz is None or bsz > 1:
+        if self._trace_bsz is None or self._trace_bsz > 1:
             self._trace_armed = False
-        return out
 
     def _trace_enter(self, module, args, kwargs):
         if self._trace is not None and module.training:
@@ -771,3 +827,14 @@ def _stack_passes(p: nn.Parameter, passes: list) -> torch.Tensor:
         if g is not None:
             out[i, : g.shape[0]] = g
     return out
+
+
+class GradSampleHooks(GradSampleModule):
+    """Opacus 1.6's in-place form of :class:`GradSampleModule` (``wrap_model=False``): the
+    hooks are attached to ``m`` itself, which the user keeps calling (its class and identity
+    unchanged); this object holds the per-sample state, the step record and ``cleanup()``."""
+
+    def __init__(self, m: nn.Module, **kwargs):
+        super().__init__(m, **kwargs)
+        self.attach_to_module()
+

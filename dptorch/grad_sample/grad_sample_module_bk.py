@@ -253,3 +253,13 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 if p in res:
                     out[p] = res[p]
         return out
+
+
+class GradSampleHooksBookKeeping(GradSampleModuleBookKeeping):
+    """In-place form of :class:`GradSampleModuleBookKeeping` (``wrap_model=False``): hooks on
+    ``m`` itself, which the user keeps calling."""
+
+    def __init__(self, m: nn.Module, **kwargs):
+        super().__init__(m, **kwargs)
+        self.attach_to_module()
+

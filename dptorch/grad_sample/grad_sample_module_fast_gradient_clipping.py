@@ -375,3 +375,13 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         rec.clip_bound = self.clipping.snapshot() if bound is None else bound
         rec.grad_state = {id(p): grad_state(p) for p in self.trainable_parameters()}
         self.check_can_clip()
+
+
+class GradSampleHooksFastGradientClipping(GradSampleModuleFastGradientClipping):
+    """Opacus 1.6's in-place form of :class:`GradSampleModuleFastGradientClipping`
+    (``wrap_model=False``): hooks on ``m`` itself, which the user keeps calling."""
+
+    def __init__(self, m: nn.Module, **kwargs):
+        super().__init__(m, **kwargs)
+        self.attach_to_module()
+

@@ -202,3 +202,9 @@ def check_not_wrapped(module: nn.Module) -> None:
         "keep the first wrapper (pass the GradSampleModule itself), call "
         "gsm.to_standard_module() on it first, or copy the model before wrapping it."
     )
+
+
+#: Opacus 1.6's base of the in-place hooks classes (``wrap_model=False``): in dptorch the
+#: in-place form of a GradSampleModule is the same class attached to the model it holds.
+AbstractGradSampleHooks = AbstractGradSampleModule
+

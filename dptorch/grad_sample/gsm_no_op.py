@@ -12,7 +12,7 @@ from torch import nn
 
 from .gsm_base import AbstractGradSampleModule
 
-__all__ = ["GradSampleModuleNoOp"]
+__all__ = ["GradSampleHooksNoOp", "GradSampleModuleNoOp"]
 
 
 class GradSampleModuleNoOp(AbstractGradSampleModule):
@@ -31,3 +31,9 @@ class GradSampleModuleNoOp(AbstractGradSampleModule):
 
     def forward(self, x, *args, **kwargs):
         return self._module(x, *args, **kwargs)
+
+
+class GradSampleHooksNoOp(GradSampleModuleNoOp):
+    """Opacus 1.6's in-place name (``wrap_model=False``): no_op has no hooks to attach, the
+    user fills ``p.grad_sample`` and keeps calling the model."""
+

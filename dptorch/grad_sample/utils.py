@@ -125,17 +125,23 @@ def prepare_module(
     go to its constructor, with the mode's own ``gsm_kwargs`` (``"functorch"`` sets
     ``force_functorch=True``).
 
-    ``wrap_model=False`` (Opacus: attach hook objects without wrapping) raises
-    ``NotImplementedError``: dptorch's hooks live in the wrapping module, there is no separate
-    hooks class.
+    ``wrap_model=False`` (Opacus 1.6, for Hugging Face / Accelerate): the hooks are attached to
+    ``model`` itself, which keeps its class and identity and is what the user calls; the
+    returned object holds the hooks and per-sample state (``cleanup()`` removes them). Every
+    check of the wrapped path applies. ExpandedWeights needs to wrap the call and refuses.
     """
-    if not wrap_model:
+    if not wrap_model and grad_sample_mode == "ew":
         raise NotImplementedError(
-            "wrap_model=False is not supported: dptorch attaches its hooks through the "
-            "GradSampleModule wrapper (there is no separate hooks class); use wrap_model=True."
+            "grad_sample_mode='ew' with wrap_model=False: ExpandedWeights must wrap every call of "
+            "the model, so it cannot work from hooks on the model. Use wrap_model=True, or "
+            "grad_sample_mode='hooks', 'functorch', 'ghost' or 'bk' with wrap_model=False."
         )
     cls = get_gsm_class(grad_sample_mode)
-    return cls(model, *args, **{**kwargs, **get_mode(grad_sample_mode).gsm_kwargs})
+    gsm = cls(model, *args, **{**kwargs, **get_mode(grad_sample_mode).gsm_kwargs})
+    attach = getattr(gsm, "attach_to_module", None)  # no_op has nothing to attach
+    if not wrap_model and attach is not None:
+        attach()
+    return gsm
 
 
 def wrap_model(

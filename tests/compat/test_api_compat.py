@@ -336,16 +336,6 @@ TOP_LEVEL_MODULES = [
 
 # Public names of those modules dptorch does not provide, with the reason.
 MISSING_OK: dict[str, str] = {
-    **{
-        f"opacus.grad_sample:{name}": "deliberate: dptorch's hooks live in the GradSampleModule "
-        "wrapper, there are no separate hooks classes (wrap_model=False raises)"
-        for name in (
-            "AbstractGradSampleHooks",
-            "GradSampleHooks",
-            "GradSampleHooksFastGradientClipping",
-            "GradSampleHooksNoOp",
-        )
-    },
     "opacus.grad_sample:GradSampleHooksFastGradientClippingFSDP": "FSDP not supported",
     "opacus.grad_sample:GradSampleModuleFastGradientClippingFSDP": "FSDP not supported",
     "opacus.grad_sample:GradSampleHooksFastGradientClippingTP": "tensor parallel not supported",

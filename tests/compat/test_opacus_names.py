@@ -176,8 +176,10 @@ def test_prepare_module_and_wrap_model_positional_flag():
     assert isinstance(prepare_module(_model(), "hooks", True), GradSampleModule)
     gsm = wrap_model(_model(), "functorch", True, batch_first=True)
     assert gsm.force_functorch
-    with pytest.raises(NotImplementedError, match="wrap_model=False"):
-        prepare_module(_model(), "hooks", False)
+    net = _model()
+    hooks = prepare_module(net, "hooks", False)  # in place: net is what the loop calls
+    net(torch.randn(5, 4)).sum().backward()
+    assert hooks._module is net and all(p.grad_sample.shape[0] == 5 for p in net.parameters())
 
 
 # ------------------------------------------------------------------- samplers by Opacus name
