@@ -113,6 +113,27 @@ SNIPPETS: dict[str, str] = {
                    target_unclipped_quantile=0.5, clipbound_learning_rate=0.2, max_clipbound=10.0,
                    min_clipbound=0.1, unclipped_num_std=0.4)
     """,
+    "per_sample_gradients_utils": """
+        U = L(".utils.per_sample_gradients_utils")
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(6, 4, dtype=torch.float64, generator=g)
+        micro = U.compute_microbatch_grad_sample(x, model, loss_reduction="mean")
+        ref, got = U.compute_grad_samples_microbatch_and_opacus(x, model, loss_reduction="sum")
+        packed = torch.nn.utils.rnn.pack_sequence(
+            [torch.randn(n, 2, generator=g) for n in (3, 5, 2)], enforce_sorted=False)
+        result = {
+            "microbatch": {k: [round(v, 8) for v in t.flatten().tolist()] for k, t in micro.items()},
+            "sum_close": {k: bool(torch.allclose(ref[k], got[k])) for k in ref},
+            "check": [U.check_per_sample_gradients_are_correct(x, model, grad_sample_mode=m)
+                      for m in U.get_grad_sample_modes(use_ew=True)],
+            "modes": U.get_grad_sample_modes(use_ew=True),
+            "loss": round(float(U.ModelWithLoss(model, "sum")(x)), 8),
+            "unpacked": [t.shape[0] for t in U.unpack_packedsequences(packed)],
+            "empty": [U.is_batch_empty(torch.zeros(0, 3)), U.is_batch_empty([torch.ones(2)])],
+        }
+    """,
     "checkpoint_keys": """
         import io
         torch.manual_seed(0)

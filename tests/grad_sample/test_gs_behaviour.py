@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from gs_helpers import MODES, assert_grad_samples_match, brute_force_grad_samples
+from gs_helpers import MODES, assert_grad_samples_match
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -214,17 +214,21 @@ def test_microbatch_reference_matches_brute_force():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv1d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(6, 2)).double()
     x = torch.randn(4, 2, 3, dtype=F64)
-    ref = brute_force_grad_samples(model, (x,), torch.ones(4, 2, dtype=F64))
-    got = compute_microbatch_grad_sample(x, model)
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n])
+    params = dict(model.named_parameters())
+    for red, reduce in (("mean", torch.mean), ("sum", torch.sum)):
+        got = compute_microbatch_grad_sample(x, model, loss_reduction=red)
+        # Opacus's testing loss: L1 distance of the sample's outputs to 0, reduced over them
+        for b in range(4):
+            grads = torch.autograd.grad(reduce(model(x[b : b + 1]).abs()), list(params.values()))
+            for n, g in zip(params, grads):
+                torch.testing.assert_close(got[n][b], g)
 
 
 def test_checker_accepts_correct_and_rejects_wrong_samplers(caplog):
     torch.manual_seed(0)
     x = torch.randn(3, 3, dtype=F64)
     model = nn.Sequential(nn.Linear(3, 3), Quadratic()).double()
-    for mode in ("hooks", "functorch"):
+    for mode in ("hooks", "functorch", "ghost", "bk"):  # ghost, bk: by per-sample norms
         for red in ("sum", "mean"):
             assert check_per_sample_gradients_are_correct(
                 x, model, atol=1e-9, rtol=1e-7, loss_reduction=red, grad_sample_mode=mode
@@ -236,6 +240,9 @@ def test_checker_accepts_correct_and_rejects_wrong_samplers(caplog):
     try:
         with caplog.at_level(logging.WARNING):
             assert not check_per_sample_gradients_are_correct(x, model, atol=1e-9, rtol=1e-7)
-        assert "w" in caplog.text
+            assert not check_per_sample_gradients_are_correct(
+                x, model, atol=1e-9, rtol=1e-7, grad_sample_mode="bk"
+            )
+        assert "w" in caplog.text and "per-sample norms" in caplog.text
     finally:
         del GRAD_SAMPLERS[Quadratic]
