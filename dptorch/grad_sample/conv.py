@@ -90,6 +90,48 @@ def compute_conv_grad_sample(
     return ret
 
 
+def convolution2d_backward_as_a_convolution(
+    layer: nn.Conv2d, activations: Sequence[torch.Tensor], backprops: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients of ``nn.Conv2d`` as one weight-gradient of a grouped convolution
+    (Opacus's alternative sampler; the unfold one above is the default).
+
+    The batch is folded into the groups: the ``B`` samples become ``B·groups`` groups of one
+    convolution whose input is ``(1, B·C_in, H, W)`` and output gradient ``(1, B·C_out, H', W')``;
+    its weight gradient, ``(B·C_out, C_in/groups, kh, kw)``, holds every sample's block.
+
+    Args:
+        activations: ``[x]``, ``x`` of shape ``(B, C_in, H, W)``.
+        backprops: ``(B, C_out, H', W')``.
+
+    Returns:
+        ``weight``: ``(B, C_out, C_in/groups, kh, kw)``; ``bias``: ``(B, C_out)``.
+    """
+    x, padding = _padded_input(layer, activations[0])
+    b = backprops.shape[0]
+    ret: dict[nn.Parameter, torch.Tensor] = {}
+    if wants_grad(layer.weight):
+        w = layer.weight
+        folded_w = w.new_zeros((1,) * w.dim()).expand(b * w.shape[0], *w.shape[1:])  # shape only
+        _, gw, _ = torch.ops.aten.convolution_backward(
+            backprops.reshape(1, -1, *backprops.shape[2:]),
+            x.reshape(1, -1, *x.shape[2:]),
+            folded_w,
+            None,
+            list(layer.stride),
+            [padding] * 2 if isinstance(padding, int) else list(padding),
+            list(layer.dilation),
+            False,
+            [0, 0],
+            b * layer.groups,
+            [False, True, False],
+        )
+        ret[w] = gw.view(b, *w.shape)
+    if layer.bias is not None and wants_grad(layer.bias):
+        ret[layer.bias] = backprops.sum(dim=(2, 3))
+    return ret
+
+
 def compute_conv_norm_sq_sample(
     layer: nn.modules.conv._ConvNd, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> ParamDict:

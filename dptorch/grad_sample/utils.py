@@ -14,12 +14,15 @@ from collections.abc import Iterator, Mapping
 from torch import nn
 
 from ..modes import Mode, get_mode, known_modes, register_mode
-from .grad_sample_module import GradSampleModule
-from .grad_sample_module_bk import GradSampleModuleBookKeeping
-from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from .grad_sample_module import GradSampleHooks, GradSampleModule
+from .grad_sample_module_bk import GradSampleHooksBookKeeping, GradSampleModuleBookKeeping
+from .grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+    GradSampleModuleFastGradientClipping,
+)
 from .gsm_base import AbstractGradSampleModule, check_not_wrapped
 from .gsm_exp_weights import GradSampleModuleExpandedWeights, check_ew_model
-from .gsm_no_op import GradSampleModuleNoOp
+from .gsm_no_op import GradSampleHooksNoOp, GradSampleModuleNoOp
 from .registry import register_grad_sampler, register_norm_sampler
 
 # hooks and functorch keep one per-sample gradient slice per backward pass (multi_pass=True);
@@ -85,6 +88,29 @@ def get_gsm_class(grad_sample_mode: str) -> type:
     if cls is None:
         raise ValueError(f"grad_sample_mode {grad_sample_mode!r} has no GradSampleModule class.")
     return cls
+
+
+#: the in-place (``wrap_model=False``) class of each built-in GradSampleModule class
+_HOOKS_CLASSES: dict[type, type] = {
+    GradSampleModule: GradSampleHooks,
+    GradSampleModuleFastGradientClipping: GradSampleHooksFastGradientClipping,
+    GradSampleModuleBookKeeping: GradSampleHooksBookKeeping,
+    GradSampleModuleNoOp: GradSampleHooksNoOp,
+}
+
+
+def get_hooks_class(grad_sample_mode: str) -> type:
+    """The class that attaches ``grad_sample_mode``'s hooks to a model in place
+    (``wrap_model=False``; Opacus's name). ``ValueError`` for a mode that must wrap the call
+    (ew) or has no in-place form."""
+    cls = get_gsm_class(grad_sample_mode)
+    hooks = _HOOKS_CLASSES.get(cls)
+    if hooks is None:
+        raise ValueError(
+            f"grad_sample_mode {grad_sample_mode!r} ({cls.__name__}) has no in-place hooks class: "
+            "it must wrap the model (wrap_model=True)."
+        )
+    return hooks
 
 
 def check_wrapped(

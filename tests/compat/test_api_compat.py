@@ -230,18 +230,6 @@ KNOWN: dict[str, tuple[str, str, list[str]]] = {
         "criterion=None: see make_private",
         ["'criterion': default None (expected CrossEntropyLoss())"],
     ),
-    "opacus.grad_sample.conv:convolution2d_backward_as_a_convolution": (
-        "absent",
-        "compute_conv_grad_sample gives the same per-sample gradients (unfold); a second "
-        "algorithm for the same numbers would be duplicated logic",
-        [],
-    ),
-    "opacus.grad_sample.utils:get_hooks_class": (
-        "absent",
-        "dptorch's hooks live in the GradSampleModule wrapper: there is no separate hooks class "
-        "(prepare_module(..., wrap_model=False) raises NotImplementedError)",
-        [],
-    ),
     "opacus.optimizers.ddpoptimizer:DistributedDPOptimizer.__init__": (
         "deliberate",
         "forwards (*args, **kwargs) to DPOptimizer.__init__, which is checked itself",

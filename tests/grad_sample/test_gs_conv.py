@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gs_helpers import MODES, assert_grad_samples_match
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -78,3 +78,31 @@ def test_unfold_nd_matches_conv(n, k, s, d, p, size, c):
     cols = unfold_nd(x, k, padding=p, stride=s, dilation=d)
     got = (w.reshape(3, -1) @ cols).reshape(ref.shape)
     torch.testing.assert_close(got, ref)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    stride=st.integers(1, 2), dilation=st.integers(1, 2), groups=st.sampled_from([1, 2]),
+    padding=st.sampled_from([0, 1, "same"]), mode=st.sampled_from(["zeros", "reflect"]),
+    bias=st.booleans(), b=st.integers(1, 4),
+)
+def test_convolution2d_backward_as_a_convolution_matches_brute_force(
+    stride, dilation, groups, padding, mode, bias, b
+):
+    """Opacus's alternative Conv2d sampler (batch folded into groups) against one-sample-at-a-
+    time autograd in float64."""
+    from dptorch.grad_sample.conv import convolution2d_backward_as_a_convolution
+
+    assume(padding != "same" or stride == 1)  # torch refuses padding="same" with stride > 1
+    torch.manual_seed(0)
+    layer = nn.Conv2d(4, 6, 3, stride=stride, dilation=dilation, groups=groups, padding=padding,
+                      padding_mode=mode, bias=bias).double()
+    x = torch.randn(b, 4, 9, 8, dtype=torch.float64)
+    g = torch.randn_like(layer(x))
+    got = convolution2d_backward_as_a_convolution(layer, [x], g)
+    params = [p for p in layer.parameters()]
+    assert set(got) == set(params)
+    for i in range(b):
+        want = torch.autograd.grad((layer(x[i : i + 1]) * g[i : i + 1]).sum(), params)
+        for p, w in zip(params, want):
+            torch.testing.assert_close(got[p][i], w)

@@ -184,3 +184,15 @@ def test_hugging_face_default_forward_in_place():
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert any(not torch.equal(a, p) for a, p in zip(results[1], base.parameters()))
+
+
+def test_get_hooks_class():
+    from dptorch.grad_sample.gsm_no_op import GradSampleHooksNoOp
+    from dptorch.grad_sample.utils import get_hooks_class
+
+    assert get_hooks_class("hooks") is get_hooks_class("functorch") is GradSampleHooks
+    assert get_hooks_class("ghost") is GradSampleHooksFastGradientClipping
+    assert get_hooks_class("bk") is GradSampleHooksBookKeeping
+    assert get_hooks_class("no_op") is GradSampleHooksNoOp
+    with pytest.raises(ValueError, match="wrap the model"):
+        get_hooks_class("ew")
