@@ -60,8 +60,8 @@ def is_batch_empty(batch: torch.Tensor | Iterable[torch.Tensor]) -> bool:
 
 
 def unpack_packedsequences(X: PackedSequence) -> list[torch.Tensor]:
-    """The sequences of a (batch-first) ``PackedSequence``, each ``(T_i, ...)``, in the order
-    they were packed in."""
+    """The sequences of a ``PackedSequence``, each ``(T_i, ...)``, longest first (the packed
+    order; Opacus's convention)."""
     padded = pad_packed_sequence(X, batch_first=True)[0]
     lengths = compute_seq_lengths(X.batch_sizes)  # longest first, i.e. in sorted order
     if X.sorted_indices is not None:

@@ -357,3 +357,21 @@ def test_opacus_message_for_eval_mode():
     with pytest.raises(UnsupportedModuleError, match="Model needs to be in training mode"):
         _make_private(net, torch.optim.SGD(net.parameters(), lr=0.1))
     assert ModuleValidator.validate(net.train()) == []
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("sorted_", [True, False])
+def test_gen_packed_data(batch_first, sorted_):
+    """Opacus's test helper: random sequences of lengths in [1, max], packed; unpacking gives
+    them back longest first, each of its own length."""
+    from dptorch.utils.packed_sequences import _gen_packed_data
+    from dptorch.utils.per_sample_gradients_utils import unpack_packedsequences
+
+    torch.manual_seed(0)
+    packed = _gen_packed_data(6, 5, 3, batch_first, sorted_)
+    seqs = unpack_packedsequences(packed)
+    lengths = [s.shape[0] for s in seqs]
+    assert len(seqs) == 6 and all(1 <= n <= 5 for n in lengths)
+    assert lengths == sorted(lengths, reverse=True) and all(s.shape[1] == 3 for s in seqs)
+    assert (packed.sorted_indices is None) == sorted_
+    assert packed.data.shape == (sum(lengths), 3) and bool((packed.data != 0).all())
