@@ -377,7 +377,7 @@ class DPOptimizer(_MultiPassDispatch):
 
     def _add_to_summed_grad(self, p: nn.Parameter, g: torch.Tensor) -> None:
         """``p.summed_grad += g`` (``g`` itself when nothing is pending)."""
-        if p.summed_grad is None:
+        if getattr(p, "summed_grad", None) is None:  # (absent: unfrozen after construction)
             p.summed_grad = g
         else:
             p.summed_grad = p.summed_grad + g
@@ -509,7 +509,7 @@ class DPOptimizer(_MultiPassDispatch):
         reached it (an empty Poisson batch): skipping the noise would reveal that the batch was
         empty, which the DP guarantee does not allow."""
         for p in self.params:
-            if p.summed_grad is None:
+            if getattr(p, "summed_grad", None) is None:
                 p.summed_grad = torch.zeros_like(p)
 
     def step(self, closure: Callable | None = None) -> Any:

@@ -5,6 +5,7 @@ releases an unclipped or wrong gradient. Cases that real models hit must work, n
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from .invariants import (
     assert_exact_or_refused,
     dp_update,
     reference_update,
+    sample_loss,
     variant_bounds,
 )
 
@@ -607,3 +609,38 @@ def test_ghost_empty_batch_with_an_elementwise_loss():
     crit(gsm(torch.zeros(0, 4)), torch.zeros(0, 3)).backward()
     opt.step()
     assert not torch.equal(model[0].weight, before)
+
+
+@pytest.mark.parametrize("wrap", [True, False])
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "bk"])
+def test_unfrozen_after_make_private_without_zero_grad(mode, wrap):
+    """The usual loop order: make_private, unfreeze a layer, forward/backward, step, with no
+    zero_grad in between. The newly trainable parameters are clipped with the others and noised
+    (it used to fail with an AttributeError on their missing summed_grad)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dptorch import PrivacyEngine
+
+    torch.manual_seed(0)
+    x, y = _data()
+    base = mlp()
+    base[0].requires_grad_(False)
+    model = copy.deepcopy(base)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=len(x)), noise_multiplier=0.0,
+            max_grad_norm=0.5, poisson_sampling=False, loss_reduction="sum",
+            grad_sample_mode=mode, wrap_model=wrap,
+            **({"criterion": nn.MSELoss(reduction="sum")} if mode == "ghost" else {}),
+        )
+    model[0].requires_grad_(True)
+    pred = (out[0] if wrap else model)(x)
+    (out[2](pred, y) if mode == "ghost" else sample_loss(pred, y)).backward()
+    out[1].step()
+    ref_model = copy.deepcopy(base).requires_grad_(True)
+    ref = reference_update(ref_model, x, y, 0.5)
+    for n, r in ref.items():
+        torch.testing.assert_close(before[n] - dict(model.named_parameters())[n].detach(), r)
