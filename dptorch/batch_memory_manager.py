@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from functools import partial
 
 from torch.utils.data import DataLoader, Sampler
 
 from .optimizers.optimizer import DPOptimizer
+from .sampling import iterate_with_layouts
+from .utils.batch_layout import LayoutQueue
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +34,18 @@ class BatchSplittingSampler(Sampler[list[int]]):
     """
 
     def __init__(
-        self, *, sampler: Sampler[list[int]], max_batch_size: int, optimizer: DPOptimizer
+        self, *, sampler: Sampler[list[int]], max_batch_size: int, optimizer: DPOptimizer,
+        layouts: LayoutQueue | None = None,
     ):
         self.sampler = sampler
         self.max_batch_size = max_batch_size
         self.optimizer = optimizer
+        self.layouts = layouts
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self.layouts is not None:
+            yield from self._split_with_layouts(self.layouts)
+            return
         for batch_idxs in self.sampler:
             batch_idxs = list(batch_idxs)
             if not batch_idxs:
@@ -48,6 +56,18 @@ class BatchSplittingSampler(Sampler[list[int]]):
             for i in range(n_chunks):
                 self.optimizer.signal_skip_step(do_skip=i < n_chunks - 1)
                 yield batch_idxs[i * self.max_batch_size : (i + 1) * self.max_batch_size]
+
+    def _split_with_layouts(self, layouts: LayoutQueue) -> Iterator[list[int]]:
+        """Splits fixed-shape batches into fixed chunks, and user-level batches between users,
+        pushing each chunk's layout in place of the batch's."""
+        for batch_idxs in self.sampler:
+            batch_idxs = list(batch_idxs)
+            layout = layouts.pop_latest()
+            bounds = layout.chunks(self.max_batch_size)
+            for i, (lo, hi) in enumerate(bounds):
+                self.optimizer.signal_skip_step(do_skip=i < len(bounds) - 1)
+                layouts.push(layout.slice(lo, hi))
+                yield batch_idxs[lo:hi]
 
     def __len__(self) -> int:
         """Expected number of physical batches (Poisson batch sizes vary; this is an estimate:
@@ -64,12 +84,14 @@ def wrap_data_loader(
     *, data_loader: DataLoader, max_batch_size: int, optimizer: DPOptimizer
 ) -> DataLoader:
     """A DataLoader over the same dataset whose batches are the physical batches."""
-    return DataLoader(
+    layouts = getattr(data_loader, "layouts", None)  # fixed-shape / user-level loaders
+    return (DataLoader if layouts is None else partial(_LayoutLoader, layouts=layouts))(
         dataset=data_loader.dataset,
         batch_sampler=BatchSplittingSampler(
             sampler=data_loader.batch_sampler,
             max_batch_size=max_batch_size,
             optimizer=optimizer,
+            layouts=layouts,
         ),
         num_workers=data_loader.num_workers,
         collate_fn=data_loader.collate_fn,
@@ -81,6 +103,18 @@ def wrap_data_loader(
         prefetch_factor=data_loader.prefetch_factor,
         persistent_workers=data_loader.persistent_workers,
     )
+
+
+class _LayoutLoader(DataLoader):
+    """The physical batches of a fixed-shape or user-level loader, each activating its
+    layout when yielded."""
+
+    def __init__(self, *args, layouts: LayoutQueue, **kwargs):
+        self.layouts = layouts
+        super().__init__(*args, **kwargs)
+
+    def __iter__(self):
+        return iterate_with_layouts(super().__iter__, self.layouts)
 
 
 class BatchMemoryManager:

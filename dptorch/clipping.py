@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .utils.batch_layout import BatchLayout, LayoutQueue
+
 __all__ = ["CLIP_EPS", "ClippingContract", "check_bound"]
 
 #: added to the norm in ``min(1, C / (norm + CLIP_EPS))`` so that a zero gradient is well defined
@@ -44,6 +46,10 @@ class ClippingContract:
     ``max_grad_norm`` is always the sensitivity of one sample's clipped gradient: ``C``, or
     ``sqrt(Σ C_i²)`` per layer. Setting it (a scheduler) rescales every per-layer bound by the
     same factor.
+
+    ``layouts`` (a :class:`~dptorch.utils.batch_layout.LayoutQueue`, filled by a fixed-shape or
+    user-level data loader) says what the rows of the current batch are: every clip factor is 0
+    on a padding row, and :meth:`layout` gives the units whose summed gradients are clipped.
     """
 
     def __init__(
@@ -54,6 +60,7 @@ class ClippingContract:
         self._index: dict[int, int] = {}
         self._norms: list[float] | None = None
         self._flat = 1.0
+        self.layouts = LayoutQueue()
         if isinstance(max_grad_norm, (list, tuple)):
             params = list(params) if params is not None else None
             if params is None:
@@ -134,11 +141,32 @@ class ClippingContract:
         """Clip factors ``min(1, bound / (norm + CLIP_EPS))``, shaped like ``norms``."""
         return (bound / (norms + CLIP_EPS)).clamp(max=1.0)
 
+    def layout(self, rows: int, where: str) -> BatchLayout | None:
+        """The current batch's layout (``None``: every row is one unit), checked to have
+        ``rows`` rows."""
+        layout = self.layouts.current
+        if layout is not None:
+            layout.check_rows(rows, where)
+        return layout
+
+    def _masked(self, factors: torch.Tensor) -> torch.Tensor:
+        """``factors (..., B)`` with 0 on the padding rows of the current batch."""
+        layout = self.layout(factors.shape[-1], "clipping")
+        if layout is None:
+            return factors
+        return factors * layout.valid.to(factors.device, factors.dtype)
+
     def flat_factors(self, norms: torch.Tensor) -> torch.Tensor:
-        """Flat clip factors for per-sample norms over all parameters, shaped like ``norms``."""
+        """Flat clip factors for per-unit norms ``(..., B)`` over all parameters, 0 on padding
+        rows."""
         if self.per_layer:
-            raise ValueError("flat_factors() of a per-layer contract; use bound_for(p).")
-        return self.factors(norms, self._flat)
+            raise ValueError("flat_factors() of a per-layer contract; use param_factors(p).")
+        return self._masked(self.factors(norms, self._flat))
+
+    def param_factors(self, norms: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Clip factors of parameter ``p``'s per-unit norms ``(..., B)`` with its bound
+        (:meth:`bound_for`), 0 on padding rows."""
+        return self._masked(self.factors(norms, self.bound_for(p)))
 
     @property
     def sensitivity(self) -> float:

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .utils.fsdp_utils import is_fsdp_model
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -74,9 +76,12 @@ DPDDP = DifferentiallyPrivateDistributedDataParallel
 
 def is_distributed_module(module: nn.Module) -> bool:
     """Whether ``module`` (or the module a dptorch GradSampleModule wraps) is a
-    ``DistributedDataParallel`` or :class:`DPDDP` model."""
+    ``DistributedDataParallel`` or :class:`DPDDP` model, or is sharded by FSDP2
+    (``torch.distributed.fsdp.fully_shard`` applied to it or to one of its submodules)."""
     candidates = (module, getattr(module, "_module", None))
-    return any(isinstance(m, (DDP, DPDDP)) for m in candidates)
+    if any(isinstance(m, (DDP, DPDDP)) for m in candidates):
+        return True
+    return is_fsdp_model(module)
 
 
 def disable_gradient_sync(module: nn.Module) -> None:

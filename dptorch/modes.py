@@ -96,12 +96,22 @@ class Mode:
         loss_reduction: str,
     ) -> None:
         """Raises ``ValueError`` if this mode cannot train ``module`` with these settings: no
-        module class, no optimizer for ``(clipping, distributed)``, ``multi_pass`` unsupported,
-        or one of :attr:`checks` refuses."""
+        module class, one of :attr:`checks` refuses (run first, so that a mode's own message
+        names the fix), no optimizer for ``(clipping, distributed)``, or ``multi_pass``
+        unsupported."""
         if self.gsm_class is None:
             raise ValueError(
                 f"grad_sample_mode {self.name!r} has optimizer classes but no GradSampleModule "
                 "class; register one with register_grad_sample_mode or register_mode."
+            )
+        for check in self.checks:  # first: a check's message names the fix for this mode
+            check(
+                module,
+                clipping=clipping,
+                distributed=distributed,
+                multi_pass=multi_pass,
+                batch_first=batch_first,
+                loss_reduction=loss_reduction,
             )
         self.optimizer_class(clipping, distributed)
         if multi_pass and not self.multi_pass_clippings:
@@ -114,15 +124,6 @@ class Mode:
             raise ValueError(
                 f"multi_pass=True with grad_sample_mode {self.name!r} supports clipping "
                 f"{' and '.join(map(repr, self.multi_pass_clippings))}, got {clipping!r}."
-            )
-        for check in self.checks:
-            check(
-                module,
-                clipping=clipping,
-                distributed=distributed,
-                multi_pass=multi_pass,
-                batch_first=batch_first,
-                loss_reduction=loss_reduction,
             )
 
 

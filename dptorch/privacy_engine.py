@@ -47,6 +47,7 @@ from .optimizers.arguments import (
     parameter_names,
 )
 from .optimizers.multi_pass import validate_multi_pass_args
+from .sampling import accountant_delta, check_plan, plan_for, with_truncation
 from .validators import ModuleValidator
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class PrivacyEngine:
         self._data_loader: DataLoader | None = None
         # N, the number of records the last make_private's loader can yield (get_epsilon's δ check)
         self._num_records: int | None = None
+        self._sampling = None  # the last make_private's SamplingPlan (fixed shape: δ of truncation)
         if not secure_mode:
             logger.info(
                 "Secure RNG turned off: fine for experiments; for a release, retrain with "
@@ -132,7 +134,10 @@ class PrivacyEngine:
         """Every check of ``make_private`` except the noise multiplier's (which
         ``make_private_with_epsilon`` computes after them), before anything is modified.
         ``kwargs_check`` goes to :func:`check_optimizer_kwargs`. Returns the mode, whether the
-        model is distributed and N, the number of records the data loader can yield."""
+        model is distributed and N, the number of units (records, or users) the loader can
+        yield; sets ``a.plan`` (:mod:`dptorch.sampling`)."""
+        a.plan = plan_for(a, kwargs)
+        a.poisson_sampling = a.plan.poisson
         check_flags_and_names(PrivacyEngine.make_private, vars(a))
         for c in a.max_grad_norm if isinstance(a.max_grad_norm, (list, tuple)) else [a.max_grad_norm]:
             check_bound(c)  # before make_private_with_epsilon's noise search
@@ -156,10 +161,12 @@ class PrivacyEngine:
         check_data_loader(
             a.data_loader, poisson_sampling=a.poisson_sampling, secure_mode=self.secure_mode
         )
+        check_plan(a.plan, mode=mode.name, clipping=a.clipping, distributed=distributed,
+                   multi_pass=a.multi_pass)
         n = records_in_loader(
             a.data_loader, poisson_sampling=a.poisson_sampling, distributed=distributed
         )
-        return mode, distributed, n
+        return mode, distributed, a.plan.units(a.data_loader, n)
 
     # ------------------------------------------------------------------ building
     def _make_private(
@@ -172,11 +179,10 @@ class PrivacyEngine:
         """:meth:`_check`, then the build (module docstring). ``calibrate(sample_rate=q,
         num_records=N)`` gives the noise multiplier when ``a.noise_multiplier`` is ``None``."""
         mode, distributed, n = self._check(a, kwargs, **kwargs_check)
-        q = 1 / len(a.data_loader)
+        q, plan = 1 / len(a.data_loader), a.plan
+        calibrate = with_truncation(plan, calibrate, a, q, n)
         sigma = a.noise_multiplier if calibrate is None else calibrate(sample_rate=q, num_records=n)
-        optimizer = a.optimizer
-        if isinstance(optimizer, DPOptimizer):
-            optimizer = optimizer.original_optimizer
+        optimizer = a.optimizer.original_optimizer if isinstance(a.optimizer, DPOptimizer) else a.optimizer
         dp_optimizer = mode.optimizer_class(a.clipping, distributed)(
             optimizer=optimizer,
             noise_multiplier=sigma,
@@ -209,21 +215,17 @@ class PrivacyEngine:
                 "same logical dataset).",
                 stacklevel=3,
             )
-        self._num_records = n
-        self._data_loader = prepare_data_loader(
-            a.data_loader,
-            poisson_sampling=a.poisson_sampling,
-            distributed=distributed,
-            batch_first=a.batch_first,
-            secure_mode=self.secure_mode,
-        )
+        self._num_records, self._sampling = n, plan
+        build = partial(plan.loader, layouts=dp_optimizer.clipping.layouts) \
+            if plan.needs_layout else partial(prepare_data_loader, distributed=distributed,
+                                             poisson_sampling=a.poisson_sampling)
+        self._data_loader = build(a.data_loader, batch_first=a.batch_first,
+                                  secure_mode=self.secure_mode)
         per_pass = steps_per_pass(a.data_loader, a.poisson_sampling)  # None: Poisson batches
         dp_optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(q, steps_per_epoch=per_pass))
         if not mode.returns_criterion:
             return module, dp_optimizer, self._data_loader
-        criterion = a.criterion
-        if criterion is None:
-            criterion = nn.CrossEntropyLoss(reduction=a.loss_reduction)
+        criterion = nn.CrossEntropyLoss(reduction=a.loss_reduction) if a.criterion is None else a.criterion
         loss = DPLossFastGradientClipping(module, dp_optimizer, criterion, a.loss_reduction)
         return module, dp_optimizer, loss, self._data_loader
 
@@ -239,7 +241,7 @@ class PrivacyEngine:
         max_grad_norm: float | list[float],
         batch_first: bool = True,
         loss_reduction: str = "mean",
-        poisson_sampling: bool = True,
+        poisson_sampling: bool | str = True,
         clipping: str = "flat",
         noise_generator: torch.Generator | None = None,
         grad_sample_mode: str = "hooks",
@@ -262,7 +264,10 @@ class PrivacyEngine:
             max_grad_norm: clipping norm C > 0 (a list, one per parameter, for "per_layer").
             batch_first: whether the batch is dimension 0 of the inputs.
             loss_reduction: ``"mean"`` or ``"sum"``, as in the loss.
-            poisson_sampling: Poisson-sampled batches (the accounting assumes them).
+            poisson_sampling: Poisson-sampled batches (the accounting assumes them);
+                ``"fixed_shape"``: Poisson batches padded to ``max_batch_size`` rows (in
+                ``kwargs``; chosen when absent). ``kwargs`` may also hold ``privacy_unit="user"``,
+                ``user_id`` and ``max_records_per_user`` (user-level DP). See docs/sampling.md.
             clipping: ``"flat"``, ``"per_layer"`` or ``"adaptive"`` (extra AdaClip arguments in
                 ``kwargs``).
             noise_generator: ``torch.Generator`` for the noise (not in secure mode).
@@ -298,7 +303,7 @@ class PrivacyEngine:
         max_grad_norm: float | list[float],
         batch_first: bool = True,
         loss_reduction: str = "mean",
-        poisson_sampling: bool = True,
+        poisson_sampling: bool | str = True,
         clipping: str = "flat",
         noise_generator: torch.Generator | None = None,
         grad_sample_mode: str = "hooks",
@@ -342,6 +347,7 @@ class PrivacyEngine:
         replace-one, with a warning stating its assumptions (``accountants.utils.engine_epsilon``).
         """
         warn_if_weak_delta(delta, self._num_records, meaning=", so the epsilon means little")
+        delta = accountant_delta(self._sampling, self.accountant, self._num_records, delta)
         return engine_epsilon(self.accountant, delta)
 
     # ------------------------------------------------------------------ checkpoints
@@ -359,12 +365,9 @@ class PrivacyEngine:
         data_loader: DataLoader | None = None,
     ) -> None:
         """Saves model, optimizer (with its DP settings), accountant, schedulers and the random
-        generator states (global torch RNG, noise generator, Poisson sampler) to ``path``
-        (:func:`dptorch.checkpoint.save_checkpoint`).
-
-        ``data_loader`` defaults to the last one built by this engine. Call it between steps
-        (after ``zero_grad``).
-        """
+        generator states (global torch RNG, noise generator, Poisson sampler; ``data_loader``
+        defaults to the engine's) to ``path`` (:func:`dptorch.checkpoint.save_checkpoint`).
+        Call it between steps (after ``zero_grad``)."""
         if data_loader is None:
             data_loader = self._data_loader
         args = vars(_arguments(locals()))

@@ -22,9 +22,17 @@ from .grad_sample_module_bk import (  # noqa: E402
     GradSampleHooksBookKeeping,
     GradSampleModuleBookKeeping,
 )
+from .grad_sample_module_bk_fsdp import (  # noqa: E402
+    GradSampleHooksBookKeepingFSDP,
+    GradSampleModuleBookKeepingFSDP,
+)
 from .grad_sample_module_fast_gradient_clipping import (  # noqa: E402
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
+)
+from .grad_sample_module_fast_gradient_clipping_fsdp import (  # noqa: E402
+    GradSampleHooksFastGradientClippingFSDP,
+    GradSampleModuleFastGradientClippingFSDP,
 )
 from .gsm_base import AbstractGradSampleHooks, AbstractGradSampleModule
 from .gsm_exp_weights import GradSampleModuleExpandedWeights
@@ -47,11 +55,15 @@ __all__ = [
     "GradSampleHooks",
     "GradSampleHooksBookKeeping",
     "GradSampleHooksFastGradientClipping",
+    "GradSampleHooksFastGradientClippingFSDP",
+    "GradSampleHooksBookKeepingFSDP",
     "GradSampleModule",
     "GradSampleModuleExpandedWeights",
     "GradSampleModuleNoOp",
     "GradSampleModuleFastGradientClipping",
     "GradSampleModuleBookKeeping",
+    "GradSampleModuleFastGradientClippingFSDP",
+    "GradSampleModuleBookKeepingFSDP",
     "create_or_accumulate_grad_sample",
     "GRAD_SAMPLERS",
     "LAYER_RULES",

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from ..utils.fsdp_utils import refuse_fsdp_model
 from .functorch import ft_compute_per_sample_gradient, module_batch_first
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
 from .hf_adapters import install_adapters
@@ -105,6 +106,10 @@ class GradSampleModule(AbstractGradSampleModule):
     """
 
     GRAD_SAMPLERS = GRAD_SAMPLERS
+    #: whether this class handles models sharded by FSDP2 (the ``*FSDP`` subclasses)
+    supports_fsdp = False
+    #: the grad_sample_mode this class implements, for messages
+    mode_name = "hooks"
 
     def __init__(
         self,
@@ -116,6 +121,8 @@ class GradSampleModule(AbstractGradSampleModule):
         force_functorch: bool = False,
         multi_pass: bool = False,
     ):
+        if not self.supports_fsdp:
+            refuse_fsdp_model(m, "functorch" if force_functorch else self.mode_name)
         super().__init__(m, batch_first=batch_first, loss_reduction=loss_reduction)
         errors = self.validate(module=m, strict=strict)
         for e in errors:

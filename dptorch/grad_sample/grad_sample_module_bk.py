@@ -64,6 +64,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     """
 
     autograd_forms_clipped_sum = False
+    mode_name = "bk"
 
     def __init__(self, m: nn.Module, **kwargs):
         self._bk_handles: list = []
@@ -189,7 +190,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             )
         contract = self.clipping
         if contract.per_layer:
-            coef = {id(p): contract.factors(sq.sqrt(), contract.bound_for(p)) for p, sq in norm_sq}
+            coef = {id(p): contract.param_factors(sq.sqrt(), p) for p, sq in norm_sq}
         else:
             flat = contract.flat_factors(self.per_sample_gradient_norms)
             coef = {id(p): flat for p, _ in norm_sq}
@@ -209,13 +210,19 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         for module, activations, backprops, kwargs in records:
             for p, g in self._clipped_sum(module, activations, backprops, kwargs, coef, b).items():
                 add(p, g)
-        for p, g in sums.values():
+        self._write_clipped_sums(list(sums.values()))
+        self.mark_clipped_pass(contract.snapshot())
+
+    def _write_clipped_sums(self, sums: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Adds each clipped sum ``g`` (``p``'s shape, ``Σ_b c_b ∇_p loss_b`` over this pass's
+        samples) to ``p.grad``, as autograd accumulates (FSDP overrides this: the sums are
+        reduce-scattered into the sharded parameters)."""
+        for p, g in sums:
             g = g.to(p.dtype).view_as(p)
             if p.grad is None:
                 p.grad = g
             else:  # in place, as autograd accumulates: no second parameter-sized tensor
                 p.grad.add_(g)
-        self.mark_clipped_pass(contract.snapshot())
 
     def _clipped_sum(self, module, activations, backprops, kwargs, coef, b) -> dict:
         """``{p: Σ_b c_b ∇_p loss_b}`` of one recorded call, from ``(A, c ⊙ G)``."""

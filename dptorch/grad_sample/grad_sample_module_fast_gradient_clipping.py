@@ -81,6 +81,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     #: the second backward pass leaves the clipped sum to autograd (ghost); bk forms it itself
     autograd_forms_clipped_sum = True
+    mode_name = "ghost"
 
     def __init__(
         self,
@@ -273,9 +274,16 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                     todo.extend(self._callers.get(id(p), ()))
         return True
 
+    def _grouped(self) -> bool:
+        """Whether the current batch has units of several rows (user level): their norms need
+        the per-row gradients, summed per unit."""
+        layout = self.clipping.layouts.current
+        return layout is not None and not layout.one_row_per_group
+
     def _use_norm_sampler(self, module: nn.Module, activations, backprops) -> bool:
         return (
-            self.use_ghost_clipping
+            not self._grouped()
+            and self.use_ghost_clipping
             and not self.force_functorch
             and getattr(rule_for(module), "norm_sq", None) is not None
             and (self._single_call(module) or self._factorable(module))
@@ -311,9 +319,13 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         """Reduces instantiated per-sample gradients to norms and publishes the norms."""
         rec = self._take_pass()
         pending, self._pending = list(self._pending.values()), {}
+        layout = self.clipping.layout(rec.batch_size, type(self).__name__) if pending else None
         for p in pending:
             gs = p._current_grad_sample
-            self._add_norm_sq(p, gs.pow(2).sum(tuple(range(1, gs.dim()))))
+            if layout is None or layout.one_row_per_group:
+                self._add_norm_sq(p, gs.pow(2).sum(tuple(range(1, gs.dim()))))
+            else:  # a user's rows: the norm of their summed gradient
+                self._add_norm_sq(p, layout.unit_norm_sq(gs))
             if not self._keep_instantiated():
                 del p._current_grad_sample
         norm_sq, self._norm_sq = list(self._norm_sq.values()), {}
@@ -332,6 +344,10 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     def _publish_norms(self, norm_sq: list[tuple[nn.Parameter, torch.Tensor]], b: int | None) -> None:
         total = None
+        layout = self.clipping.layouts.current
+        if layout is not None and norm_sq:  # padding rows: norm 0
+            valid = layout.valid.to(norm_sq[0][1].device)
+            norm_sq = [(p, sq * valid[: sq.shape[0]].to(sq.dtype)) for p, sq in norm_sq]
         for p, sq in norm_sq:
             p._norm_sample = sq.sqrt()
             total = sq if total is None else total + sq

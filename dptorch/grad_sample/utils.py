@@ -14,38 +14,90 @@ from collections.abc import Iterator, Mapping
 from torch import nn
 
 from ..modes import Mode, get_mode, known_modes, register_mode
+from ..utils.fsdp_utils import refuse_fsdp_model
 from .grad_sample_module import GradSampleHooks, GradSampleModule
 from .grad_sample_module_bk import GradSampleHooksBookKeeping, GradSampleModuleBookKeeping
+from .grad_sample_module_bk_fsdp import (
+    GradSampleHooksBookKeepingFSDP,
+    GradSampleModuleBookKeepingFSDP,
+)
 from .grad_sample_module_fast_gradient_clipping import (
     GradSampleHooksFastGradientClipping,
     GradSampleModuleFastGradientClipping,
+)
+from .grad_sample_module_fast_gradient_clipping_fsdp import (
+    GradSampleHooksFastGradientClippingFSDP,
+    GradSampleModuleFastGradientClippingFSDP,
+    check_fsdp_model,
 )
 from .gsm_base import AbstractGradSampleModule, check_not_wrapped
 from .gsm_exp_weights import GradSampleModuleExpandedWeights, check_ew_model
 from .gsm_no_op import GradSampleHooksNoOp, GradSampleModuleNoOp
 from .registry import register_grad_sampler, register_norm_sampler
 
+
+def _not_fsdp(mode: str):
+    """The mode check refusing a model sharded by FSDP2 (``fully_shard``) for ``mode``."""
+
+    def check(module: nn.Module, **_settings) -> None:
+        refuse_fsdp_model(module, mode)
+
+    check.__name__ = f"check_not_fsdp_{mode}"
+    return check
+
+
+def _fsdp_only(mode: str):
+    """The mode check of an FSDP mode: a model sharded by ``fully_shard``
+    (:func:`check_fsdp_model`), flat clipping."""
+
+    def check(module: nn.Module, *, clipping: str, **_settings) -> None:
+        if clipping != "flat":
+            raise ValueError(
+                f"clipping={clipping!r} is not supported with grad_sample_mode={mode!r}: the "
+                "FSDP modes clip each sample's whole gradient with one max_grad_norm (per-layer "
+                "and adaptive clipping are not implemented for sharded parameters). Fix: "
+                "clipping='flat'."
+            )
+        check_fsdp_model(module, mode)
+
+    check.__name__ = f"check_fsdp_{mode}"
+    return check
+
+
 # hooks and functorch keep one per-sample gradient slice per backward pass (multi_pass=True);
 # adaptive clipping's clip-count noise assumes one clipped unit per record
 _SLICED = ("flat", "per_layer")
 for _mode in (
-    Mode("hooks", GradSampleModule, multi_pass_clippings=_SLICED),
+    Mode("hooks", GradSampleModule, multi_pass_clippings=_SLICED, checks=(_not_fsdp("hooks"),)),
     Mode(
         "functorch",
         GradSampleModule,
         multi_pass_clippings=_SLICED,
         gsm_kwargs={"force_functorch": True},
+        checks=(_not_fsdp("functorch"),),
     ),
     # refused before make_private modifies anything: layers ExpandedWeights cannot differentiate
-    Mode("ew", GradSampleModuleExpandedWeights, checks=(check_ew_model,)),
-    Mode("no_op", GradSampleModuleNoOp),  # p.grad_sample is filled by the user
+    Mode("ew", GradSampleModuleExpandedWeights, checks=(_not_fsdp("ew"), check_ew_model)),
+    # p.grad_sample is filled by the user
+    Mode("no_op", GradSampleModuleNoOp, checks=(_not_fsdp("no_op"),)),
     Mode(
         "ghost",
         GradSampleModuleFastGradientClipping,
         fast_clipping=True,
         returns_criterion=True,  # the loss wrapper runs ghost clipping's two backward passes
+        checks=(_not_fsdp("ghost"),),
     ),
-    Mode("bk", GradSampleModuleBookKeeping, fast_clipping=True),
+    Mode("bk", GradSampleModuleBookKeeping, fast_clipping=True, checks=(_not_fsdp("bk"),)),
+    # FSDP2 (fully_shard) models: each rank clips its samples, FSDP's reduce-scatter sums
+    Mode(
+        "ghost_fsdp",
+        GradSampleModuleFastGradientClippingFSDP,
+        fast_clipping=True,
+        returns_criterion=True,
+        checks=(_fsdp_only("ghost_fsdp"),),
+    ),
+    Mode("bk_fsdp", GradSampleModuleBookKeepingFSDP, fast_clipping=True,
+         checks=(_fsdp_only("bk_fsdp"),)),
 ):
     register_mode(_mode)
 
@@ -95,6 +147,8 @@ _HOOKS_CLASSES: dict[type, type] = {
     GradSampleModule: GradSampleHooks,
     GradSampleModuleFastGradientClipping: GradSampleHooksFastGradientClipping,
     GradSampleModuleBookKeeping: GradSampleHooksBookKeeping,
+    GradSampleModuleFastGradientClippingFSDP: GradSampleHooksFastGradientClippingFSDP,
+    GradSampleModuleBookKeepingFSDP: GradSampleHooksBookKeepingFSDP,
     GradSampleModuleNoOp: GradSampleHooksNoOp,
 }
 
@@ -160,7 +214,8 @@ def prepare_module(
         raise NotImplementedError(
             "grad_sample_mode='ew' with wrap_model=False: ExpandedWeights must wrap every call of "
             "the model, so it cannot work from hooks on the model. Use wrap_model=True, or "
-            "grad_sample_mode='hooks', 'functorch', 'ghost' or 'bk' with wrap_model=False."
+            "grad_sample_mode='hooks', 'functorch', 'ghost', 'bk', 'ghost_fsdp' or 'bk_fsdp' with "
+            "wrap_model=False."
         )
     cls = get_gsm_class(grad_sample_mode)
     gsm = cls(model, *args, **{**kwargs, **get_mode(grad_sample_mode).gsm_kwargs})

@@ -3,7 +3,8 @@
 ``get_optimizer_class(clipping, distributed, grad_sample_mode)`` and
 :func:`register_optimizer_class` are views on the mode registry (:mod:`dptorch.modes`): this
 package registers the per-sample-gradient optimizers (every mode that fills ``p.grad_sample``)
-and the fast-clipping ones of ``"ghost"`` and ``"bk"``.
+and the fast-clipping ones of ``"ghost"`` and ``"bk"`` and of their FSDP2 forms
+``"ghost_fsdp"`` and ``"bk_fsdp"``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from ..modes import optimizer_class, register_optimizer
 from .adaclipoptimizer import AdaClipDPOptimizer
 from .ddp_perlayeroptimizer import DistributedPerLayerOptimizer, SimpleDistributedPerLayerOptimizer
 from .ddpoptimizer import DistributedDPOptimizer
+from .fsdpoptimizer_fast_gradient_clipping import FSDPOptimizerFastGradientClipping
 from .optimizer import DPOptimizer
 from .optimizer_fast_gradient_clipping import (
     DistributedDPOptimizerFastGradientClipping,
@@ -28,6 +30,7 @@ __all__ = [
     "DPOptimizer",
     "DPOptimizerFastGradientClipping",
     "DPPerLayerOptimizer",
+    "FSDPOptimizerFastGradientClipping",
     "SimpleDistributedPerLayerOptimizer",
     "get_optimizer_class",
     "register_optimizer_class",
@@ -79,6 +82,9 @@ _BUILTIN: dict[str | None, dict[tuple[str, bool], type[DPOptimizer]]] = {
         ("per_layer", False): DPPerLayerOptimizerFastGradientClipping,
         ("per_layer", True): DistributedDPPerLayerOptimizerFastGradientClipping,
     },
+    # FSDP2 models are always distributed; flat clipping only
+    "ghost_fsdp": {("flat", True): FSDPOptimizerFastGradientClipping},
+    "bk_fsdp": {("flat", True): FSDPOptimizerFastGradientClipping},
 }
 for _mode, _classes in _BUILTIN.items():
     for (_clipping, _distributed), _cls in _classes.items():

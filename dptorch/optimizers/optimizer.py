@@ -342,8 +342,17 @@ class DPOptimizer(_MultiPassDispatch):
                 )
 
     def per_sample_norms(self, unit_grads: UnitGrads | None = None) -> torch.Tensor:
-        """L2 norm over all parameters of each unit's gradient, ``(P, B)``."""
-        return flat_norms(self._unit_grad_samples() if unit_grads is None else unit_grads)
+        """L2 norm over all parameters of each unit's gradient, ``(P, B)``. With a batch layout
+        (fixed-shape or user-level loader), a row's norm is that of its unit's summed gradient
+        (its own for a record) and a padding row's is 0."""
+        unit_grads = self._unit_grad_samples() if unit_grads is None else unit_grads
+        norms = flat_norms(unit_grads)
+        layout = self.clipping.layout(norms.shape[-1], "DPOptimizer") if unit_grads else None
+        if layout is None:
+            return norms
+        if layout.one_row_per_group:
+            return norms * layout.valid.to(norms.device, norms.dtype)
+        return sum(layout.unit_norm_sq(gs, dim=1) for _, gs in unit_grads).sqrt()
 
     def compute_clip_factors(self, unit_grads: UnitGrads | None = None) -> list[torch.Tensor]:
         """Per-parameter clip factors ``(P, B)``: ``min(1, C / (norm + 1e-6))``."""

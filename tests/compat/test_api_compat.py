@@ -324,11 +324,8 @@ TOP_LEVEL_MODULES = [
 
 # Public names of those modules dptorch does not provide, with the reason.
 MISSING_OK: dict[str, str] = {
-    "opacus.grad_sample:GradSampleHooksFastGradientClippingFSDP": "FSDP not supported",
-    "opacus.grad_sample:GradSampleModuleFastGradientClippingFSDP": "FSDP not supported",
     "opacus.grad_sample:GradSampleHooksFastGradientClippingTP": "tensor parallel not supported",
     "opacus.grad_sample:GradSampleModuleFastGradientClippingTP": "tensor parallel not supported",
-    "opacus.optimizers:FSDPOptimizerFastGradientClipping": "FSDP not supported",
 }
 
 

@@ -351,6 +351,10 @@ def test_make_private_with_epsilon_knows_its_own_arguments():
 
 
 _VALID = {
+    "max_batch_size",
+    "privacy_unit",
+    "user_id",
+    "max_records_per_user",
     "accum_passes",
     "num_private_passes",
     "auto_clip_and_accum_on_step",
@@ -382,7 +386,7 @@ def test_any_unknown_keyword_is_named(name):
 
 
 TYPE_CASES = {
-    "poisson_sampling": ("fixed_shape", "True or False"),
+    "poisson_sampling": ("shuffle", "True, False or 'fixed_shape'"),
     "batch_first": (1, "True or False"),
     "wrap_model": ("yes", "True or False"),
     "multi_pass": (None, "True or False"),
@@ -432,9 +436,9 @@ def test_mistyped_numbers_of_the_optimizer_and_of_make_private_with_epsilon():
         with pytest.raises(ValueError, match=name):
             _with_epsilon(**{name: value})
     with pytest.raises(
-        ValueError, match="poisson_sampling must be True or False, got 'fixed_shape'"
+        ValueError, match="poisson_sampling must be True, False or 'fixed_shape', got 1"
     ):
-        _with_epsilon(poisson_sampling="fixed_shape")
+        _with_epsilon(poisson_sampling=1)
 
 
 # ---------------------------------------------------------------------------- 3. warnings

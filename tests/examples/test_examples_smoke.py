@@ -126,3 +126,8 @@ def test_train_digits_cli_bad_value(bad, capsys):
     assert errors[0].startswith("dptorch train-digits: error:"), err
     assert bad[0] in errors[0], err
     assert "Traceback" not in err
+
+
+def test_user_level_digits(capsys):
+    _, _, out = run_example("user_level_digits", ["--smoke"], capsys)
+    assert "per user" in out and "by group privacy" in out
