@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import binom
@@ -358,3 +359,138 @@ def test_layout_mismatch_raises():
     crit(module(x[:5]), y[:5]).backward()
     with pytest.raises(ValueError, match="the batch has 5 rows"):
         opt.step()
+
+
+# ----------------------------------------------------------------------------- attacks
+class _Tied(nn.Module):
+    """Embedding tied to the LM-style head, and a position embedding called on ``[1, T]``
+    positions (broadcast over the batch, as Hugging Face's default forward does)."""
+
+    def __init__(self, v: int = 11, t: int = 5):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(v, 6), nn.Embedding(t, 6)
+        self.lin, self.head, self.out = nn.Linear(6, 6), nn.Linear(6, v), nn.Linear(v, K)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos(torch.arange(x.shape[1])[None])
+        return self.out(self.head(torch.tanh(self.lin(h))).mean(1))
+
+
+class _Functional(_Tied):
+    """A layer's weight used through ``F.linear`` instead of its module."""
+
+    def forward(self, x):
+        return F.linear(self.emb(x).mean(1), self.out.weight[:, :6]) + self.out.bias
+
+
+SETTINGS = {
+    "fixed_shape": dict(poisson_sampling="fixed_shape", max_batch_size=12),
+    "user": dict(privacy_unit="user", user_id=(torch.arange(24) // 3).tolist(),
+                 max_records_per_user=2),
+}
+
+
+def _token_data():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, 11, (24, 5), generator=g),
+                         torch.randint(0, K, (24,), generator=g))
+
+
+def _attack_run(mode: str, setting: str, model: nn.Module, *, tweak=None, loss=None):
+    """Two steps of ``model`` under ``setting``, each against the float64 brute force
+    (padding skipped, users' records summed, clipped with the C in force). ``tweak(model,
+    optimizer)`` runs after make_private and returns the C to expect."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    out = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=opt, noise_multiplier=0.0, max_grad_norm=0.3,
+        data_loader=DataLoader(_token_data(), batch_size=8,
+                               generator=torch.Generator().manual_seed(1)),
+        grad_sample_mode=mode, **SETTINGS[setting])
+    module, dp_opt, dl = out[0], out[1], out[-1]
+    crit = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
+    c = tweak(model, dp_opt) if tweak else 0.3
+    if tweak:
+        for p, q in zip(ref.parameters(), model.parameters()):
+            p.requires_grad_(q.requires_grad)
+    per_sample = loss or (lambda m, x, y, crit=None: F.cross_entropy(m(x), y))
+    for step, (x, y) in enumerate(dl):
+        groups = dl.layouts.current.groups
+        params = [p for p in model.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in params]
+        (crit(module(x), y) if loss is None else loss(module, x, y, crit)).backward()
+        dp_opt.step()
+        dp_opt.zero_grad()
+        rparams = [p for p in ref.parameters() if p.requires_grad]
+        total = [torch.zeros_like(p) for p in rparams]
+        for u in groups[groups >= 0].unique().tolist():
+            gsum = [torch.zeros_like(p) for p in rparams]
+            for i in (groups == u).nonzero().reshape(-1).tolist():
+                grads = torch.autograd.grad(per_sample(ref, x[i:i + 1], y[i:i + 1]), rparams)
+                for s, g in zip(gsum, grads):
+                    s += g
+            f = min(1.0, c / (math.sqrt(sum(float(g.pow(2).sum()) for g in gsum)) + 1e-6))
+            for t, g in zip(total, gsum):
+                t += f * g / dp_opt.expected_batch_size
+        for b, p, e in zip(before, params, total):
+            torch.testing.assert_close(b - p.detach(), e, rtol=1e-9, atol=1e-12)
+        with torch.no_grad():
+            for p, e in zip(rparams, total):
+                p -= e
+        if step == 1:
+            break
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("mode", MODES)
+def test_tied_and_broadcast_parameters_are_exact(mode, setting):
+    torch.manual_seed(0)
+    _attack_run(mode, setting, _Tied().double())
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("mode", MODES)
+def test_changed_bound_and_unfrozen_layer_are_exact(mode, setting):
+    """C changed and a layer unfrozen after make_private: both take part, exactly."""
+    torch.manual_seed(0)
+    model = _Tied().double()
+    model.lin.weight.requires_grad_(False)
+
+    def tweak(m, opt):
+        m.lin.weight.requires_grad_(True)
+        opt.max_grad_norm = 0.7
+        return 0.7
+
+    _attack_run(mode, setting, model, tweak=tweak)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("mode", MODES)
+def test_functional_use_of_a_parameter_is_refused(mode, setting):
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="per-sample|clipped per sample|no hooked layer"):
+        _attack_run(mode, setting, _Functional().double())
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "bk"])
+def test_hugging_face_default_forward_is_exact(mode, setting):
+    """A tiny GPT-2 from a config, called with its default forward (position ids ``[1, T]``,
+    LM head tied to the token embedding), causal-LM loss."""
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=11, n_positions=5, n_embd=8, n_layer=1, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        attn_implementation="eager")
+    model = tf.GPT2LMHeadModel(cfg).double()
+
+    def lm_loss(m, x, y, crit=None):  # next-token loss from the default forward's logits
+        logits = m(input_ids=x).logits[:, :-1]  # float64 (HF's own .loss upcasts to float32)
+        flat, target = logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)
+        if mode == "ghost" and crit is not None:  # the DP loss wrapper, per sequence
+            return crit(flat, target, shape=logits.shape)
+        return F.cross_entropy(flat, target)
+
+    _attack_run(mode, setting, model, loss=lm_loss)
