@@ -50,6 +50,7 @@ __all__ = [
     "expected_batch_size",
     "prepare_data_loader",
     "steps_per_pass",
+    "rebuilt_loader_kwargs",
 ]
 
 # DataLoader settings carried over by DPDataLoader.from_data_loader (batching is replaced).
@@ -611,23 +612,34 @@ class DPDataLoader(DataLoader):
         is an error).
         """
         check_data_loader(data_loader)
-        dataset, n_batches = data_loader.dataset, len(data_loader)
-        indices = poisson_sampling_indices(data_loader, distributed=distributed)
-        if generator is None and not secure_mode:
-            generator = data_loader.generator
-        kwargs = {k: getattr(data_loader, k) for k in _CARRIED_KWARGS if hasattr(data_loader, k)}
         return cls(
-            dataset=dataset,
-            sample_rate=1 / n_batches,
-            indices=indices,
-            collate_fn=data_loader.collate_fn,
-            generator=generator,
+            **rebuilt_loader_kwargs(data_loader, generator, secure_mode, distributed),
             distributed=distributed,
             batch_first=batch_first,
             rand_on_empty=rand_on_empty,
             secure_mode=secure_mode,
-            **kwargs,
         )
+
+
+def rebuilt_loader_kwargs(
+    data_loader: DataLoader, generator: torch.Generator | None, secure_mode: bool,
+    distributed: bool = False,
+) -> dict[str, Any]:
+    """The arguments of a Poisson loader that replaces ``data_loader``: its dataset, the sample
+    rate ``1 / len(data_loader)``, the records it draws from (:func:`poisson_sampling_indices`),
+    its collate function and worker settings, and ``generator`` (default: the loader's, except
+    in secure mode)."""
+    if generator is None and not secure_mode:
+        generator = data_loader.generator
+    carried = {k: getattr(data_loader, k) for k in _CARRIED_KWARGS if hasattr(data_loader, k)}
+    return dict(
+        dataset=data_loader.dataset,
+        sample_rate=1 / len(data_loader),
+        indices=poisson_sampling_indices(data_loader, distributed=distributed),
+        collate_fn=data_loader.collate_fn,
+        generator=generator,
+        **carried,
+    )
 
 
 def switch_generator(*, data_loader: DataLoader, generator: torch.Generator | None) -> DataLoader:

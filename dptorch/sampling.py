@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from .data_loader import DPDataLoader, poisson_sampling_indices
+from .data_loader import DPDataLoader, poisson_sampling_indices, rebuilt_loader_kwargs
 from .utils._poisson import check_secure_generator, poisson_mask, resolve_steps
 from .utils.batch_layout import BatchLayout, LayoutQueue
 from .utils.randomness import secure_uniform
@@ -268,9 +268,9 @@ class SamplingPlan:
     def loader(self, data_loader: Any, *, layouts: LayoutQueue, **kwargs: Any) -> LayoutDataLoader:
         """The :class:`LayoutDataLoader` that draws batches by this plan from the records
         ``data_loader`` draws from."""
-        from .data_loader import _CARRIED_KWARGS
-
-        indices = poisson_sampling_indices(data_loader)
+        settings = rebuilt_loader_kwargs(data_loader, kwargs.pop("generator", None),
+                                         kwargs.get("secure_mode", False))
+        indices = settings["indices"]
 
         if self.privacy_unit == "user":
             users = self.user_of if indices is None else self.user_of[indices]
@@ -288,14 +288,7 @@ class SamplingPlan:
                     max_batch_size=self.max_batch_size, generator=generator,
                     secure_mode=secure_mode, indices=indices)
 
-        carried = {k: getattr(data_loader, k) for k in _CARRIED_KWARGS if hasattr(data_loader, k)}
-        generator = kwargs.pop("generator", None)
-        if generator is None and not kwargs.get("secure_mode", False):
-            generator = data_loader.generator
-        return LayoutDataLoader(
-            data_loader.dataset, make_sampler=make, layouts=layouts,
-            sample_rate=1 / len(data_loader), indices=indices,
-            collate_fn=data_loader.collate_fn, generator=generator, **carried, **kwargs)
+        return LayoutDataLoader(make_sampler=make, layouts=layouts, **settings, **kwargs)
 
 
 def _user_ids(user_id: Any, dataset: Dataset) -> torch.Tensor:

@@ -49,7 +49,7 @@ class BatchLayout:
     def num_rows(self) -> int:
         return int(self.groups.shape[0])
 
-    @property
+    @cached_property
     def valid(self) -> torch.Tensor:
         """``(B,)`` bool: the rows that are not padding."""
         return self.groups >= 0
