@@ -47,7 +47,7 @@ from .optimizers.arguments import (
     parameter_names,
 )
 from .optimizers.multi_pass import validate_multi_pass_args
-from .sampling import accountant_delta, check_plan, plan_for, with_truncation
+from .sampling import check_plan, engine_epsilon_with_truncation, plan_for, with_truncation
 from .validators import ModuleValidator
 
 logger = logging.getLogger(__name__)
@@ -347,8 +347,8 @@ class PrivacyEngine:
         replace-one, with a warning stating its assumptions (``accountants.utils.engine_epsilon``).
         """
         warn_if_weak_delta(delta, self._num_records, meaning=", so the epsilon means little")
-        delta = accountant_delta(self._sampling, self.accountant, self._num_records, delta)
-        return engine_epsilon(self.accountant, delta)
+        return engine_epsilon_with_truncation(self._sampling, self.accountant, self._num_records,
+                                              delta, partial(engine_epsilon, self.accountant))
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(

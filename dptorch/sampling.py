@@ -5,8 +5,8 @@
     batch of exactly ``M`` rows: the sampled records, then padding rows. A padding row gets clip
     factor 0, so it adds nothing to the released gradient, in every mode. If more than ``M``
     records are drawn, a uniformly random subset of ``M`` is kept; the probability of that,
-    ``P(Binomial(N + 1, q) > M)`` per step (N + 1: the larger of two neighbouring data sets), is
-    added to δ over the run (:func:`truncation_delta`). Shapes never change, which
+    ``P(Binomial(N + 1, q) > M)`` per step (N + 1: the larger of two neighbouring data sets),
+    summed over the run into ``τ``, costs ``(1 + e^ε)·τ`` of δ (:func:`truncated_delta`). Shapes never change, which
     ``torch.compile`` and CUDA graphs need and which hides the batch size from timing.
 
 ``make_private(privacy_unit="user", user_id=..., max_records_per_user=m)``
@@ -77,11 +77,47 @@ def choose_max_batch_size(num_records: int, sample_rate: float, per_step: float)
 
 def truncation_delta(steps_by_rate: Sequence[tuple[float, int]], num_records: int,
                      max_batch_size: int) -> float:
-    """δ added by truncation over a run: ``Σ steps × truncation_probability(q)`` over the
-    ``(q, steps)`` of the accounted history (a union bound over the steps; the truncated
-    mechanism equals the Poisson one outside the truncation events)."""
+    """``τ = Σ steps × truncation_probability(q)`` over the ``(q, steps)`` of a run: a bound
+    on the probability that any of its batches is truncated, on either of two neighbouring
+    data sets (a union bound over the steps)."""
     return sum(n * truncation_probability(num_records, q, max_batch_size)
                for q, n in steps_by_rate)
+
+
+def truncated_delta(epsilon: float, poisson_delta: float, tau: float) -> float:
+    """The δ of the truncated run at ``epsilon`` when the Poisson run is ``(epsilon,
+    poisson_delta)``-DP and ``tau`` bounds its truncation probability:
+    ``poisson_delta + (1 + e^ε)·τ``.
+
+    Outside the truncation events the two runs are the same (coupled), so each output
+    distribution is within total variation ``τ`` of the Poisson one, on D and on D':
+    ``P[A(D) ∈ S] ≤ P[P(D) ∈ S] + τ ≤ e^ε P[P(D') ∈ S] + δ + τ ≤ e^ε P[A(D') ∈ S] + δ +
+    (1 + e^ε)·τ``."""
+    return poisson_delta + (1.0 + math.exp(epsilon)) * tau
+
+
+def epsilon_with_truncation(epsilon_at: Callable[[float], float], delta: float,
+                            tau: float) -> float:
+    """The smallest ε (to 1e-9) with ``truncated_delta(ε, δ_P, tau) ≤ delta``, where
+    ``epsilon_at(δ_P)`` is the Poisson run's ε at ``δ_P``: the fixed point of
+    ``ε = epsilon_at(delta − (1 + e^ε)·tau)``, reached from below (``epsilon_at`` decreases
+    in δ_P). ``ValueError`` when truncation alone spends ``delta``."""
+    if tau == 0.0:
+        return epsilon_at(delta)
+    eps = 0.0
+    for _ in range(100):
+        rest = delta - (1.0 + math.exp(eps)) * tau
+        if rest <= 0:
+            raise ValueError(
+                f"Truncating the fixed-shape batches costs delta >= (1 + e^eps)·{tau:.3g} "
+                f"with eps >= {eps:.3g}, which reaches {delta:g}: ask for a larger delta, or "
+                "train with a larger max_batch_size."
+            )
+        nxt = epsilon_at(rest)
+        if nxt <= eps:  # eps is a fixed point from above: (eps, delta) holds
+            return eps
+        eps = nxt + 1e-9
+    return eps
 
 
 def _random_subset(idx: torch.Tensor, k: int, generator, secure_mode: bool) -> torch.Tensor:
@@ -380,8 +416,8 @@ def describe_truncation(plan: SamplingPlan, num_records: int, sample_rate: float
     p = truncation_probability(num_records, sample_rate, plan.max_batch_size or 0)
     mean = num_records * sample_rate
     return (f"fixed-shape Poisson batches of {plan.max_batch_size} rows (expected "
-            f"{mean:.1f} records, sd {math.sqrt(mean * (1 - sample_rate)):.1f}): truncation "
-            f"adds {p:.3g} to delta per step")
+            f"{mean:.1f} records, sd {math.sqrt(mean * (1 - sample_rate)):.1f}): truncated "
+            f"with probability {p:.3g} per step, which costs (1 + e^eps) times that in delta")
 
 
 # ----------------------------------------------------------------------------- engine glue
@@ -420,7 +456,8 @@ def plan_for(a: Any, kwargs: dict[str, Any]) -> SamplingPlan:
     loader = a.data_loader
     target = None
     if getattr(a, "target_delta", None) is not None and a.poisson_sampling == "fixed_shape":
-        target = a.target_delta / (10 * a.epochs * max(1, len(loader)))
+        steps = a.epochs * max(1, len(loader))  # truncation at most a tenth of target_delta
+        target = a.target_delta / (10 * steps * (1.0 + math.exp(a.target_epsilon)))
 
     def rate() -> tuple[float, int]:
         return 1 / len(loader), records_in_loader(loader, poisson_sampling=True)
@@ -443,25 +480,29 @@ def engine_truncation_delta(plan: SamplingPlan | None, accountant: Any, num_reco
 def with_truncation(plan: SamplingPlan, calibrate: Callable[..., float] | None, a: Any,
                     sample_rate: float, num_records: int) -> Callable[..., float] | None:
     """Logs the fixed shape's truncation cost and, for ``make_private_with_epsilon``, makes
-    ``calibrate`` aim at ``target_delta`` less the truncation δ of the planned steps."""
+    ``calibrate`` aim at the Poisson δ that leaves ``target_delta`` at ``target_epsilon``
+    once the truncation of the planned steps is added (:func:`truncated_delta`)."""
     if not plan.fixed_shape:
         return calibrate
     logger.info(describe_truncation(plan, num_records, sample_rate))
     if calibrate is None:
         return None
     steps = a.epochs * len(a.data_loader)
-    extra = truncation_delta([(sample_rate, steps)], num_records, plan.max_batch_size or 0)
-    return partial(calibrate, target_delta=a.target_delta - extra)
-
-
-def accountant_delta(plan: SamplingPlan | None, accountant: Any, num_records: int | None,
-                     delta: float) -> float:
-    """The δ to ask the accountant for so that the run is ``(ε, delta)``-DP: ``delta`` less
-    the truncation δ of the steps taken (``ValueError`` when that alone exceeds ``delta``)."""
-    extra = engine_truncation_delta(plan, accountant, num_records or 0)
-    if extra >= delta:
+    tau = truncation_delta([(sample_rate, steps)], num_records, plan.max_batch_size or 0)
+    poisson_delta = a.target_delta - truncated_delta(a.target_epsilon, 0.0, tau)
+    if poisson_delta <= 0:
         raise ValueError(
-            f"Truncating the fixed-shape batches alone costs delta = {extra:.3g} >= {delta:g}: "
-            "ask for a larger delta, or train with a larger max_batch_size."
+            f"max_batch_size={plan.max_batch_size} truncates too often for target_delta="
+            f"{a.target_delta:g}: raise max_batch_size, or leave it out to have it chosen."
         )
-    return delta - extra
+    return partial(calibrate, target_delta=poisson_delta)
+
+
+def engine_epsilon_with_truncation(plan: SamplingPlan | None, accountant: Any,
+                                   num_records: int | None, delta: float,
+                                   epsilon_at: Callable[[float], float]) -> float:
+    """``PrivacyEngine.get_epsilon``'s ε at ``delta``: ``epsilon_at(delta)``, or with
+    fixed-shape batches the ε that also pays for the truncation of the steps taken
+    (:func:`epsilon_with_truncation`)."""
+    tau = engine_truncation_delta(plan, accountant, num_records or 0)
+    return epsilon_with_truncation(epsilon_at, delta, tau)

@@ -162,22 +162,52 @@ def test_choose_max_batch_size_is_the_smallest(n, q, target):
         assert truncation_probability(n, q, m - 1) > target
 
 
-def test_epsilon_includes_truncation_delta():
-    ds = _data()
-    engine, module, opt, crit, dl = _private("hooks", _model(), ds, batch_size=6,
-                                             poisson_sampling="fixed_shape", max_batch_size=16)
-    opt.noise_multiplier = 1.0
+def _fixed_shape_run(accountant: str, m: int):
+    engine = PrivacyEngine(accountant=accountant)
+    model = _model()
+    module, opt, dl = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=6), noise_multiplier=1.0, max_grad_norm=1.0,
+        poisson_sampling="fixed_shape", max_batch_size=m)
     steps = 0
     for x, y in dl:
-        _step(module, opt, crit, x, y)
+        _step(module, opt, nn.CrossEntropyLoss(), x, y)
         steps += 1
-    q = 1 / 10
-    extra = steps * binom.sf(16, N + 1, q)
+    return engine, steps
+
+
+def test_epsilon_includes_truncation_delta():
+    """get_epsilon(δ) is the smallest ε with δ_P(ε) + (1 + e^ε)·T·p ≤ δ, p = P(Bin(N+1, q) > M)
+    (the coupling bound), computed here from the accountant and scipy's binomial tail."""
+    engine, steps = _fixed_shape_run("rdp", 16)
+    tau = steps * binom.sf(16, N + 1, 1 / 10)
     delta = 1e-2
-    assert extra < delta
-    assert engine.get_epsilon(delta) == pytest.approx(engine.accountant.get_epsilon(delta - extra))
-    with pytest.raises(ValueError, match="Truncating the fixed-shape batches alone"):
-        engine.get_epsilon(extra / 2)
+    eps = engine.get_epsilon(delta)
+    acc = engine.accountant
+    assert acc.get_epsilon(delta - (1 + math.exp(eps)) * tau) <= eps + 1e-12
+    below = eps - 1e-6
+    assert acc.get_epsilon(delta - (1 + math.exp(below)) * tau) > below
+    assert eps > acc.get_epsilon(delta)  # truncation costs something here
+    with pytest.raises(ValueError, match="Truncating the fixed-shape batches costs"):
+        engine.get_epsilon(2 * tau)
+
+
+def test_truncation_bound_is_above_dp_accounting_truncated_pld():
+    """dp-accounting 0.6 analyses truncated Poisson DP-SGD exactly
+    (TruncatedSubsampledGaussianDpEvent, arXiv:2508.15089): dptorch's bound must not be below
+    it (it is an upper bound) and not far above it."""
+    dp_accounting = pytest.importorskip("dp_accounting")
+    m = 19
+    engine, steps = _fixed_shape_run("pld", m)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            dataset_size=N, sampling_probability=1 / 10, truncated_batch_size=m,
+            noise_multiplier=1.0), steps)
+    ref = dp_accounting.pld.PLDAccountant().compose(event)
+    for delta in (1e-2, 1e-3):
+        exact = ref.get_epsilon(delta)
+        ours = engine.get_epsilon(delta)
+        assert exact * (1 - 2e-3) <= ours <= exact * 1.5 + 0.05
 
 
 def test_make_private_chooses_max_batch_size():
@@ -197,7 +227,7 @@ def test_make_private_with_epsilon_keeps_truncation_under_a_tenth_of_delta():
         epochs=epochs, max_grad_norm=1.0, poisson_sampling="fixed_shape")
     m = len(next(iter(dl))[0])
     steps = epochs * len(dl)
-    assert steps * truncation_probability(N, 1 / 5, m) <= delta / 10
+    assert (1 + math.exp(3.0)) * steps * truncation_probability(N, 1 / 5, m) <= delta / 10
     for _ in range(epochs):
         for x, y in dl:
             _step(module, opt, nn.CrossEntropyLoss(), x, y)
