@@ -216,7 +216,7 @@ class PrivacyEngine:
                 stacklevel=3,
             )
         self._num_records, self._sampling = n, plan
-        build = partial(plan.loader, layouts=dp_optimizer.clipping.layouts) \
+        build = partial(plan.loader, layouts=dp_optimizer.clipping.layouts, distributed=distributed) \
             if plan.needs_layout else partial(prepare_data_loader, distributed=distributed,
                                              poisson_sampling=a.poisson_sampling)
         self._data_loader = build(a.data_loader, batch_first=a.batch_first,

@@ -37,6 +37,7 @@ from .data_loader import DPDataLoader, poisson_sampling_indices, rebuilt_loader_
 from .utils._poisson import check_secure_generator, poisson_mask, resolve_steps
 from .utils.batch_layout import BatchLayout, LayoutQueue
 from .utils.randomness import secure_uniform
+from .utils.uniform_sampler import DistributedUniformWithReplacementSampler
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,10 @@ __all__ = [
     "SamplingPlan",
     "UserPoissonSampler",
     "LayoutDataLoader",
+    "DistributedFixedShapePoissonSampler",
     "choose_max_batch_size",
+    "rank_rows",
+    "step_truncation_probability",
     "truncation_probability",
     "truncation_delta",
     "sampling_plan",
@@ -75,12 +79,28 @@ def choose_max_batch_size(num_records: int, sample_rate: float, per_step: float)
     return max(m, 1)
 
 
+def rank_rows(max_batch_size: int, world_size: int = 1) -> int:
+    """The rows of each rank's batch when a fixed shape of ``max_batch_size`` rows is shared
+    by ``world_size`` ranks: ``ceil(M / W)`` (every rank the same shape)."""
+    return -(-max_batch_size // world_size)
+
+
+def step_truncation_probability(num_records: int, sample_rate: float, max_batch_size: int,
+                                world_size: int = 1) -> float:
+    """A bound on the probability that a step truncates, on either of two neighbouring data
+    sets: ``Σ_r P(Binomial(N_r + 1, q) > M_r)`` over the ranks (rank r samples its shard of
+    ``N_r`` records, in ``M_r`` = :func:`rank_rows` rows; one rank: :func:`truncation_probability`)."""
+    m = rank_rows(max_batch_size, world_size)
+    return sum(truncation_probability(len(range(r, num_records, world_size)), sample_rate, m)
+               for r in range(world_size))
+
+
 def truncation_delta(steps_by_rate: Sequence[tuple[float, int]], num_records: int,
-                     max_batch_size: int) -> float:
-    """``τ = Σ steps × truncation_probability(q)`` over the ``(q, steps)`` of a run: a bound
+                     max_batch_size: int, world_size: int = 1) -> float:
+    """``τ = Σ steps × step_truncation_probability(q)`` over the ``(q, steps)`` of a run: a bound
     on the probability that any of its batches is truncated, on either of two neighbouring
-    data sets (a union bound over the steps)."""
-    return sum(n * truncation_probability(num_records, q, max_batch_size)
+    data sets (a union bound over the steps and the ranks)."""
+    return sum(n * step_truncation_probability(num_records, q, max_batch_size, world_size)
                for q, n in steps_by_rate)
 
 
@@ -169,6 +189,31 @@ class FixedShapePoissonSampler(Sampler[list[int]]):
             yield rows.tolist()
 
 
+class DistributedFixedShapePoissonSampler(DistributedUniformWithReplacementSampler):
+    """Fixed-shape Poisson batches under DDP: each rank Poisson-samples its shard (as
+    :class:`~dptorch.utils.uniform_sampler.DistributedUniformWithReplacementSampler`) and fills
+    a batch of exactly ``max_batch_size`` rows (this rank's share, the same on every rank) with
+    the drawn records, then padding; a uniformly random subset is kept when more are drawn."""
+
+    def __init__(self, *, max_batch_size: int, layouts: LayoutQueue, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.max_batch_size, self.layouts = max_batch_size, layouts
+        self.truncations = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        shard, m = self.shard(), self.max_batch_size
+        for _ in range(self.steps):
+            picked = self.sample_mask().nonzero().reshape(-1)
+            if picked.numel() > m:
+                self.truncations += 1
+                picked = _random_subset(picked, m, self.rank_generator,
+                                        self.secure_mode).sort().values
+            k = picked.numel()
+            self.layouts.push(BatchLayout.records(k, m))
+            yield torch.cat([shard[picked], shard[:1].expand(m - k)]).tolist()
+        self.epoch += 1
+
+
 class UserPoissonSampler(Sampler[list[int]]):
     """User-level Poisson batches: each user joins each batch with probability
     ``sample_rate``, with up to ``max_records_per_user`` of their records (uniformly chosen when
@@ -243,14 +288,9 @@ class LayoutDataLoader(DPDataLoader):
 
     def _make_batch_sampler(self, *, num_samples, sample_rate, generator, distributed,
                             secure_mode, indices=None) -> Sampler:
-        if distributed:
-            raise ValueError(
-                "Fixed-shape and user-level sampling are single-process for now: under DDP "
-                "use poisson_sampling=True with privacy_unit='record'."
-            )
         return self._sampler_factory(num_samples=num_samples, sample_rate=sample_rate,
                                      generator=generator, secure_mode=secure_mode,
-                                     indices=indices)
+                                     indices=indices, distributed=distributed)
 
     def __iter__(self):
         return iterate_with_layouts(super().__iter__, self.layouts)
@@ -280,6 +320,7 @@ class SamplingPlan:
         privacy_unit: ``"record"`` or ``"user"``.
         user_of: ``(N,)`` long, the user of each dataset record (user level).
         max_records_per_user: m (user level; ``None``: all of a user's records).
+        world_size: the DDP ranks sharing a fixed shape (each pads to ``ceil(M / W)`` rows).
     """
 
     poisson: bool = True
@@ -288,6 +329,7 @@ class SamplingPlan:
     privacy_unit: str = "record"
     user_of: torch.Tensor | None = None
     max_records_per_user: int | None = None
+    world_size: int = 1
 
     @property
     def needs_layout(self) -> bool:
@@ -305,24 +347,32 @@ class SamplingPlan:
         """The :class:`LayoutDataLoader` that draws batches by this plan from the records
         ``data_loader`` draws from."""
         settings = rebuilt_loader_kwargs(data_loader, kwargs.pop("generator", None),
-                                         kwargs.get("secure_mode", False))
+                                         kwargs.get("secure_mode", False),
+                                         kwargs.get("distributed", False))
         indices = settings["indices"]
 
         if self.privacy_unit == "user":
             users = self.user_of if indices is None else self.user_of[indices]
             _, user_of = users.unique(return_inverse=True)
 
-            def make(*, num_samples, sample_rate, generator, secure_mode, indices):
+            def make(*, num_samples, sample_rate, generator, secure_mode, indices, distributed):
                 return UserPoissonSampler(
                     user_of=user_of, sample_rate=sample_rate, layouts=layouts,
                     max_records_per_user=self.max_records_per_user, generator=generator,
                     secure_mode=secure_mode, indices=indices)
         else:
-            def make(*, num_samples, sample_rate, generator, secure_mode, indices):
+            rows = rank_rows(self.max_batch_size or 0, self.world_size)
+
+            def make(*, num_samples, sample_rate, generator, secure_mode, indices, distributed):
+                if distributed:
+                    return DistributedFixedShapePoissonSampler(
+                        total_size=num_samples, sample_rate=sample_rate, max_batch_size=rows,
+                        layouts=layouts, generator=generator, secure_mode=secure_mode,
+                        indices=indices)
                 return FixedShapePoissonSampler(
                     num_samples=num_samples, sample_rate=sample_rate, layouts=layouts,
-                    max_batch_size=self.max_batch_size, generator=generator,
-                    secure_mode=secure_mode, indices=indices)
+                    max_batch_size=rows, generator=generator, secure_mode=secure_mode,
+                    indices=indices)
 
         return LayoutDataLoader(make_sampler=make, layouts=layouts, **settings, **kwargs)
 
@@ -362,13 +412,14 @@ def _positive_int(name: str, value: Any) -> int:
 
 def sampling_plan(poisson_sampling: Any, kwargs: dict[str, Any], dataset: Dataset | None, *,
                   batch_rate: Callable[[], tuple[float, int]] | None = None,
-                  truncation_target: float | None = None) -> SamplingPlan:
+                  truncation_target: float | None = None, world_size: int = 1) -> SamplingPlan:
     """The :class:`SamplingPlan` of ``make_private``'s ``poisson_sampling`` and the keyword
     arguments it pops from ``kwargs``: ``max_batch_size``, ``privacy_unit``, ``user_id``,
     ``max_records_per_user``. Raises ``ValueError`` on anything inconsistent, before training.
 
     ``batch_rate()`` gives ``(q, N)`` when M must be chosen; ``truncation_target`` is the
-    per-step truncation probability to aim for (default :data:`DEFAULT_TRUNCATION_PER_STEP`).
+    per-step truncation probability to aim for (default :data:`DEFAULT_TRUNCATION_PER_STEP`);
+    ``world_size``: the DDP ranks that share the fixed shape.
     """
     max_batch_size = kwargs.pop("max_batch_size", None)
     unit = kwargs.pop("privacy_unit", "record")
@@ -405,19 +456,24 @@ def sampling_plan(poisson_sampling: Any, kwargs: dict[str, Any], dataset: Datase
     if max_batch_size is None:
         q, n = batch_rate()  # type: ignore[misc]
         target = DEFAULT_TRUNCATION_PER_STEP if truncation_target is None else truncation_target
-        max_batch_size = choose_max_batch_size(n, q, target)
+        # each rank's share: the largest shard, at a W-th of the target (summed over ranks)
+        shard = len(range(0, n, world_size))
+        max_batch_size = world_size * choose_max_batch_size(shard, q, target / world_size)
     else:
         _positive_int("max_batch_size", max_batch_size)
-    return SamplingPlan(fixed_shape=True, max_batch_size=max_batch_size)
+    return SamplingPlan(fixed_shape=True, max_batch_size=max_batch_size, world_size=world_size)
 
 
 def describe_truncation(plan: SamplingPlan, num_records: int, sample_rate: float) -> str:
     """One line for the log: M, the expected batch and the per-step truncation probability."""
-    p = truncation_probability(num_records, sample_rate, plan.max_batch_size or 0)
+    m = plan.max_batch_size or 0
+    p = step_truncation_probability(num_records, sample_rate, m, plan.world_size)
     mean = num_records * sample_rate
-    return (f"fixed-shape Poisson batches of {plan.max_batch_size} rows (expected "
-            f"{mean:.1f} records, sd {math.sqrt(mean * (1 - sample_rate)):.1f}): truncated "
-            f"with probability {p:.3g} per step, which costs (1 + e^eps) times that in delta")
+    ranks = (f" ({rank_rows(m, plan.world_size)} on each of {plan.world_size} ranks)"
+             if plan.world_size > 1 else "")
+    return (f"fixed-shape Poisson batches of {m} rows{ranks} (expected {mean:.1f} records, sd "
+            f"{math.sqrt(mean * (1 - sample_rate)):.1f}): truncated with probability {p:.3g} "
+            "per step, which costs (1 + e^eps) times that in delta")
 
 
 # ----------------------------------------------------------------------------- engine glue
@@ -429,7 +485,7 @@ def check_plan(plan: SamplingPlan, *, mode: str, clipping: str, distributed: boo
         return
     what = "privacy_unit='user'" if plan.privacy_unit == "user" else "poisson_sampling='fixed_shape'"
     problems = []
-    if distributed:
+    if distributed and plan.privacy_unit == "user":
         problems.append("distributed training (DDP)")
     if multi_pass:
         problems.append("multi_pass=True")
@@ -443,7 +499,7 @@ def check_plan(plan: SamplingPlan, *, mode: str, clipping: str, distributed: boo
     if problems:
         raise ValueError(
             f"{what} does not support {', '.join(problems)} yet. Use flat clipping in a hooks, "
-            "functorch, ghost or bk mode in one process, or record-level Poisson sampling."
+            "functorch, ghost or bk mode, or record-level Poisson sampling."
         )
 
 
@@ -452,6 +508,7 @@ def plan_for(a: Any, kwargs: dict[str, Any]) -> SamplingPlan:
     ``make_private_with_epsilon``: M is then chosen so that truncation costs at most a tenth of
     ``target_delta`` over ``epochs``)."""
     from .data_loader import records_in_loader
+    from .distributed import is_distributed_module
 
     loader = a.data_loader
     target = None
@@ -462,8 +519,11 @@ def plan_for(a: Any, kwargs: dict[str, Any]) -> SamplingPlan:
     def rate() -> tuple[float, int]:
         return 1 / len(loader), records_in_loader(loader, poisson_sampling=True)
 
+    world = 1
+    if a.poisson_sampling == "fixed_shape" and is_distributed_module(a.module):
+        world = torch.distributed.get_world_size()
     return sampling_plan(a.poisson_sampling, kwargs, getattr(loader, "dataset", None),
-                         batch_rate=rate, truncation_target=target)
+                         batch_rate=rate, truncation_target=target, world_size=world)
 
 
 def engine_truncation_delta(plan: SamplingPlan | None, accountant: Any, num_records: int) -> float:
@@ -474,7 +534,7 @@ def engine_truncation_delta(plan: SamplingPlan | None, accountant: Any, num_reco
 
     steps = [(e.sampling_probability, n) for e, n in flatten(accountant.events)
              if isinstance(e, PoissonSampledEvent)]
-    return truncation_delta(steps, num_records, plan.max_batch_size or 0)
+    return truncation_delta(steps, num_records, plan.max_batch_size or 0, plan.world_size)
 
 
 def with_truncation(plan: SamplingPlan, calibrate: Callable[..., float] | None, a: Any,
@@ -488,7 +548,8 @@ def with_truncation(plan: SamplingPlan, calibrate: Callable[..., float] | None, 
     if calibrate is None:
         return None
     steps = a.epochs * len(a.data_loader)
-    tau = truncation_delta([(sample_rate, steps)], num_records, plan.max_batch_size or 0)
+    tau = truncation_delta([(sample_rate, steps)], num_records, plan.max_batch_size or 0,
+                           plan.world_size)
     poisson_delta = a.target_delta - truncated_delta(a.target_epsilon, 0.0, tau)
     if poisson_delta <= 0:
         raise ValueError(

@@ -524,3 +524,19 @@ def test_hugging_face_default_forward_is_exact(mode, setting):
         return F.cross_entropy(flat, target)
 
     _attack_run(mode, setting, model, loss=lm_loss)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(20, 5000), world=st.integers(1, 8), m=st.integers(1, 400),
+       q=st.floats(1e-3, 0.5))
+def test_truncation_over_ranks_is_the_sum_of_the_shards_tails(n, world, m, q):
+    """Under DDP each rank pads to ceil(M / W) rows and Poisson-samples its shard of the
+    records; a step truncates somewhere with probability at most Σ_r P(Bin(N_r + 1, q) > M_r)."""
+    from dptorch.sampling import rank_rows, step_truncation_probability
+
+    rows = -(-m // world)
+    assert rank_rows(m, world) == rows and rows * world >= m
+    shards = [len(range(r, n, world)) for r in range(world)]
+    assert sum(shards) == n
+    expected = sum(binom.sf(rows, s + 1, q) for s in shards)
+    assert step_truncation_probability(n, q, m, world) == pytest.approx(expected, rel=1e-12, abs=1e-300)

@@ -287,6 +287,43 @@ def single_process_training() -> dict:
 
 
 # ---------------------------------------------------------------------------- entry point
+FIXED_M = 72  # global fixed shape: 36 rows per rank, 30 expected records per rank
+
+
+def fixed_shape_checks(rank: int, world_size: int, mode: str) -> dict:
+    """DDP + make_private(poisson_sampling="fixed_shape") at noise 0 and learning rate 0: each
+    step's local batch (rows, which are padding) and the released gradient, for the parent's
+    brute force over both ranks' real rows."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from dptorch import PrivacyEngine
+
+    x, y = train_data()
+    ds = TensorDataset(x.double(), y)
+    loader = DataLoader(ds, batch_size=TRAIN_BATCH // world_size, sampler=DistributedSampler(ds))
+    torch.manual_seed(0)
+    model = DDP(train_model().double())
+    out = PrivacyEngine(accountant="rdp").make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=TRAIN_C, grad_sample_mode=mode,
+        poisson_sampling="fixed_shape", max_batch_size=FIXED_M,
+    )
+    gsm, opt, dl = out[0], out[1], out[-1]
+    crit = out[2] if len(out) == 4 else nn.CrossEntropyLoss()
+    steps = []
+    for i, (xb, yb) in enumerate(dl):
+        valid = dl.layouts.current.valid.clone()
+        opt.zero_grad()
+        crit(gsm(xb), yb).backward()
+        opt.step()
+        steps.append({"x": xb[valid], "y": yb[valid], "rows": len(xb),
+                      "grads": [p.grad.detach().clone() for p in gsm.parameters()]})
+        if i == 2:
+            break
+    return {"steps": steps, "sampler": type(dl.batch_sampler).__name__,
+            "expected_batch_size": opt.expected_batch_size}
+
+
 def all_checks(rank: int, world_size: int, out_dir: str) -> dict:
     """Every distributed check, in one spawned run."""
     out = {
@@ -299,6 +336,8 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> dict:
         ("training", training_checks, (out_dir,)),
         ("fast", fast_clipping_checks, ()),
         ("fast_training", fast_training_checks, ()),
+        ("fixed_shape_hooks", fixed_shape_checks, ("hooks",)),
+        ("fixed_shape_bk", fixed_shape_checks, ("bk",)),
     ):
         try:
             out[key] = fn(rank, world_size, *args)
