@@ -2,6 +2,8 @@
 
 ``DPRNN`` / ``DPGRU`` / ``DPLSTM`` call each ``RNNLinear`` once per forward on the whole
 sequence ``(B, T, in)``, so its per-sample gradient, norms and clipped sum are ``nn.Linear``'s.
+A call inside :meth:`RNNLinear.returning` returns the value the recurrence already computed;
+in bk mode it is the input-gradient-only ``F.linear`` with that value.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 
 from ..layers.dp_rnn import RNNLinear
-from .linear import LINEAR_RULE, compute_linear_grad_sample
+from .linear import LINEAR_RULE, compute_linear_grad_sample, linear_input_grad_only
 from .registry import register_layer_rule
 
 
@@ -24,6 +26,36 @@ def compute_rnn_linear_grad_sample(
     return compute_linear_grad_sample(layer, activations, backprops)
 
 
+class _GivenInputGradOnly(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` of known value ``given``, whose backward returns
+    ``∂L/∂x`` only (bk forms the parameters' clipped sums itself). ``weight`` and ``bias`` are
+    inputs so that the output requires a gradient whenever either parameter does."""
+
+    @staticmethod
+    def forward(ctx, given, x, weight, bias):
+        ctx.save_for_backward(weight)
+        return given.view_as(given)
+
+    @staticmethod
+    def backward(ctx, g):
+        (weight,) = ctx.saved_tensors
+        gx = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[1] else None
+        return None, gx, None, None
+
+
+def rnn_linear_input_grad_only(layer: RNNLinear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` with autograd computing ``∂L/∂x`` only; the recurrence's value if given."""
+    given = layer.take_given()
+    if given is None:
+        return linear_input_grad_only(layer, x)
+    return _GivenInputGradOnly.apply(given, x, layer.weight, layer.bias)
+
+
 RNN_LINEAR_RULE = register_layer_rule(
-    RNNLinear, replace(LINEAR_RULE, grad_sample=compute_rnn_linear_grad_sample)
+    RNNLinear,
+    replace(
+        LINEAR_RULE,
+        grad_sample=compute_rnn_linear_grad_sample,
+        input_grad_only=rnn_linear_input_grad_only,
+    ),
 )

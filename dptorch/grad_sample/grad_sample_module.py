@@ -32,7 +32,7 @@ from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
 from .hf_adapters import install_adapters
 from .registry import GRAD_SAMPLERS
 from .step_record import PassRecord, StepRecord, register_record, unregister_record
-from .unit_params import sampled_parameters, trainable_signature, trainable_units
+from .unit_params import own_parameters, sampled_parameters, trainable_signature, trainable_units
 from .use_trace import UseTrace, tensors_in
 
 logger = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ class GradSampleModule(AbstractGradSampleModule):
         self._trace_armed = True
         self._root_handles: list = []
         self._sampled: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        self._sampled_views: tuple | None = None
         self._trainable_signature: tuple = ()
         self.record = StepRecord()
         self._adapters = install_adapters(m)
@@ -243,9 +244,30 @@ class GradSampleModule(AbstractGradSampleModule):
             if id(m) in sampled:
                 yield m
 
-    def sampled_params(self, module: nn.Module) -> list[nn.Parameter]:
+    def sampled_params(self, module: nn.Module) -> tuple[nn.Parameter, ...]:
         """The trainable parameters whose per-sample gradients ``module``'s hook computes."""
-        return [p for _, p in self._sampled.get(id(module), ())]
+        return self._sampled_view(module)[0]
+
+    def sampled_ids(self, module: nn.Module) -> frozenset[int]:
+        """``{id(p) for p in sampled_params(module)}``."""
+        return self._sampled_view(module)[1]
+
+    def _sampled_view(self, module: nn.Module) -> tuple[tuple[nn.Parameter, ...], frozenset[int]]:
+        """``(sampled parameters, their ids)`` of ``module``, derived from :attr:`_sampled` once
+        per assignment of it (:meth:`add_hooks`); a mapping other than a plain dict (FSDP's,
+        whose lookups depend on what FSDP holds now) is read at every call."""
+        sampled = self._sampled
+        if type(sampled) is not dict:
+            params = tuple(p for _, p in sampled.get(id(module), ()))
+            return params, frozenset(map(id, params))
+        views = self._sampled_views
+        if views is None or views[0] is not sampled:
+            table = {}
+            for key, entries in sampled.items():
+                params = tuple(p for _, p in entries)
+                table[key] = (params, frozenset(map(id, params)))
+            views = self._sampled_views = (sampled, table)
+        return views[1].get(id(module), ((), frozenset()))
 
     def remove_hooks(self) -> None:
         """Removes all hooks added by :meth:`add_hooks`."""
@@ -354,7 +376,7 @@ class GradSampleModule(AbstractGradSampleModule):
     def _trace_enter(self, module, args, kwargs):
         if self._trace is not None and module.training:
             with self._trace.paused():
-                self._trace.enter(module, {id(p) for p in self.sampled_params(module)}, (args, kwargs))
+                self._trace.enter(module, set(self.sampled_ids(module)), (args, kwargs))
 
     # ------------------------------------------------------------------ capture
     def _forward_hook(self, module, args, kwargs, output):
@@ -490,7 +512,7 @@ class GradSampleModule(AbstractGradSampleModule):
         sampled = self._sampled.get(id(module), ())
         sampler = None if self.force_functorch else self.GRAD_SAMPLERS.get(type(module))
         if sampler is not None:
-            ids = {id(p) for _, p in sampled}
+            ids = self.sampled_ids(module)
             return {p: g for p, g in sampler(module, activations, backprops).items() if id(p) in ids}
         self._in_functorch = True
         try:
@@ -793,7 +815,7 @@ def _in_parameter_precision(module: nn.Module, activations: list, backprops: tor
     computed in the parameters' precision (the low-precision values are upcast, never the
     parameters downcast), so that norms are not under-estimated by bf16 round-off and the
     released gradient has the parameters' dtype."""
-    dtype = next((p.dtype for p in module.parameters(recurse=False) if p.is_floating_point()), None)
+    dtype = next((p.dtype for p in own_parameters(module) if p.is_floating_point()), None)
     if dtype is None:
         return activations, backprops
 

@@ -218,7 +218,10 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         samples) to ``p.grad``, as autograd accumulates (FSDP overrides this: the sums are
         reduce-scattered into the sharded parameters)."""
         for p, g in sums:
-            g = g.to(p.dtype).view_as(p)
+            if g.dtype != p.dtype:
+                g = g.to(p.dtype)
+            if g.shape != p.shape:
+                g = g.view_as(p)
             if p.grad is None:
                 p.grad = g
             else:  # in place, as autograd accumulates: no second parameter-sized tensor

@@ -227,7 +227,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         """Adds this call's squared per-sample norms (norm sampler) or per-sample gradients
         (instantiation, summed over calls) to the pass's state."""
         if self._use_norm_sampler(module, activations, backprops):
-            ids = {id(p) for p in self.sampled_params(module)}
+            ids = self.sampled_ids(module)
             rule = rule_for(module)
             for p, sq in rule.norm_sq(module, activations, backprops).items():
                 if id(p) in ids:
@@ -241,7 +241,11 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     def _single_call(self, module: nn.Module) -> bool:
         """Whether every sampled parameter of ``module`` was used by exactly one call."""
-        return all(self._call_counts.get(id(p), 0) <= 1 for p in self.sampled_params(module))
+        counts = self._call_counts
+        for p in self.sampled_params(module):
+            if counts.get(id(p), 0) > 1:
+                return False
+        return True
 
     #: a parameter used by more calls than this (a recurrent cell's T steps) is instantiated:
     #: the cross terms grow with the number of pairs of calls

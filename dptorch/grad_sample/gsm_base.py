@@ -9,6 +9,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from .unit_params import module_parameters
+
 logger = logging.getLogger(__name__)
 
 #: Every attribute the grad-sample modules set on parameters: the published per-sample gradients
@@ -84,7 +86,9 @@ class AbstractGradSampleModule(nn.Module, ABC):
             raise e
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self._module.parameters() if p.requires_grad]
+        """The parameters of the wrapped module with ``requires_grad``, in ``parameters()``
+        order."""
+        return [p for p in module_parameters(self._module) if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Clears ``p.grad`` (zeroed, or ``None`` with ``set_to_none=True``) and sets
@@ -96,12 +100,12 @@ class AbstractGradSampleModule(nn.Module, ABC):
 
     def del_grad_sample(self) -> None:
         """Removes every per-sample-gradient attribute from the parameters."""
-        for p in self.parameters():
+        for p in module_parameters(self):
             clear_grad_sample(p)
 
     def set_grad_sample_to_none(self) -> None:
         """Sets ``p.grad_sample = None`` on every parameter (other per-sample state removed)."""
-        for p in self.parameters():
+        for p in module_parameters(self):
             clear_grad_sample(p)
             p.grad_sample = None
 
@@ -147,7 +151,7 @@ def forbid_accumulation_hook(module: nn.Module, _input: object) -> None:
     """
     if not module.training:
         return
-    for p in module.parameters():
+    for p in module_parameters(module):
         if getattr(p, "grad_sample", None) is not None:
             raise ValueError(
                 "Poisson sampling is not compatible with grad accumulation. You need to call "

@@ -25,6 +25,7 @@ __all__ = [
     "StepRecord",
     "record_of",
     "records_for",
+    "records_version",
     "register_record",
     "unregister_record",
 ]
@@ -106,16 +107,28 @@ class StepRecord:
 
 
 _RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: bumped by every change of ``_RECORDS`` other than the death of a parameter
+_version = 0
+
+
+def records_version() -> int:
+    """A number that changes whenever a parameter is linked or unlinked: a result of
+    :func:`records_for` stays valid while it is unchanged, for parameters kept alive."""
+    return _version
 
 
 def register_record(params: Iterable[torch.Tensor], record: StepRecord) -> None:
     """Links ``params`` to ``record`` (the module that wraps them last wins)."""
+    global _version
+    _version += 1
     for p in params:
         _RECORDS[p] = record
 
 
 def unregister_record(params: Iterable[torch.Tensor], record: StepRecord) -> None:
     """Unlinks those of ``params`` that are linked to ``record``."""
+    global _version
+    _version += 1
     for p in params:
         if _RECORDS.get(p) is record:
             del _RECORDS[p]

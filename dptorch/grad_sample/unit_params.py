@@ -71,6 +71,67 @@ def sampled_parameters(model: nn.Module) -> dict[int, list[tuple[str, nn.Paramet
     return out
 
 
+#: module classes whose traversal is nn.Module's own (see :func:`_plain_traversal`)
+_PLAIN_TRAVERSAL: set[type] = set()
+_TRAVERSAL_METHODS = ("parameters", "named_parameters", "_named_members", "named_modules")
+
+
+def _plain_traversal(cls: type) -> bool:
+    """Whether ``cls`` neither overrides how ``nn.Module`` enumerates parameters and submodules
+    nor how modules compare (``named_modules`` deduplicates them by hash): then walking the
+    ``_modules`` / ``_parameters`` dicts gives exactly what ``parameters()`` gives."""
+    if cls in _PLAIN_TRAVERSAL:
+        return True
+    plain = all(getattr(cls, n) is getattr(nn.Module, n) for n in _TRAVERSAL_METHODS) and (
+        cls.__hash__ is nn.Module.__hash__ and cls.__eq__ is nn.Module.__eq__
+    )
+    if plain:
+        _PLAIN_TRAVERSAL.add(cls)
+    return plain
+
+
+def module_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """``list(model.parameters())``: every parameter of ``model`` and its submodules, each once,
+    in the same order.
+
+    Per-step checks enumerate the parameters at every forward pass and step; this walks the
+    modules' ``_modules`` and ``_parameters`` dicts directly (the same pre-order, the same
+    deduplication of modules and parameters), without the generators and the name strings of
+    ``named_modules``. A module class that overrides any of that gets ``model.parameters()``.
+    """
+    modules: dict[int, nn.Module] = {}
+
+    def visit(m: nn.Module) -> None:
+        modules[id(m)] = m
+        for child in m._modules.values():
+            if child is not None and id(child) not in modules:
+                visit(child)
+
+    visit(model)
+    plain = _PLAIN_TRAVERSAL
+    params: dict[int, nn.Parameter] = {}
+    for m in modules.values():
+        if type(m) not in plain and not _plain_traversal(type(m)):
+            return list(model.parameters())
+        for p in m._parameters.values():
+            if p is not None:
+                params.setdefault(id(p), p)
+    return list(params.values())
+
+
+def own_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """``list(module.parameters(recurse=False))``, read from ``module._parameters`` directly
+    when the class does not override the traversal."""
+    if not _plain_traversal(type(module)):
+        return list(module.parameters(recurse=False))
+    out: list[nn.Parameter] = []
+    for p in module._parameters.values():
+        if p is not None and all(p is not q for q in out):
+            out.append(p)
+    return out
+
+
 def trainable_signature(model: nn.Module) -> tuple[int, ...]:
-    """Ids of ``model``'s trainable parameters: it changes when one is frozen or unfrozen."""
-    return tuple(id(p) for p in model.parameters() if p.requires_grad)
+    """Ids of ``model``'s trainable parameters: it changes when one is frozen or unfrozen, or
+    when a trainable parameter is added, removed or replaced."""
+    return tuple(id(p) for p in module_parameters(model) if p.requires_grad)

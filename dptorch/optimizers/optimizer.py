@@ -29,7 +29,7 @@ from ..accountants.events import (
 )
 from ..clipping import ClippingContract
 from ..grad_sample.gsm_base import _check_loss_reduction, clear_grad_sample
-from ..grad_sample.step_record import StepRecord, records_for
+from ..grad_sample.step_record import StepRecord, records_for, records_version
 from ..utils.randomness import generate_noise
 from .arguments import check_noise_generator, check_noise_multiplier
 from .multi_pass import multi_pass_variant
@@ -60,7 +60,7 @@ def _generate_noise(
 def _draw_flat_noise(
     owner: Any, params: list[nn.Parameter], std: float
 ) -> dict[int, torch.Tensor]:
-    """``{id(p): N(0, std²) noise shaped like p.summed_grad}``: one ``normal_`` of the owner's
+    """``{id(p): N(0, std²) noise of p.summed_grad's shape}``: one ``normal_`` of the owner's
     generator per (dtype, device) into a flat buffer kept on ``owner`` (grown when needed)."""
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p in params:
@@ -74,7 +74,7 @@ def _draw_flat_noise(
             buf = buffers[key] = torch.empty(n, dtype=key[0], device=key[1])
         flat = buf[:n].normal_(0.0, std, generator=owner.generator)
         for p, chunk in zip(ps, flat.split([p.summed_grad.numel() for p in ps])):
-            out[id(p)] = chunk
+            out[id(p)] = chunk.view(p.summed_grad.shape)
     return out
 
 
@@ -235,8 +235,17 @@ class DPOptimizer(_MultiPassDispatch):
 
     @property
     def records(self) -> list[StepRecord]:
-        """The step records of the modules that wrap this optimizer's parameters."""
-        return records_for(self.params)
+        """The step records of the modules that wrap this optimizer's parameters.
+
+        Looked up again whenever the trainable parameters of the groups or the links between
+        parameters and records (:func:`~dptorch.grad_sample.step_record.records_version`)
+        change; the cache holds the parameters themselves, so their ids cannot be reused."""
+        params = self.params
+        key = (records_version(), tuple(map(id, params)))
+        cached = self.__dict__.get("_records_cache")
+        if cached is None or cached[0] != key:
+            cached = self._records_cache = (key, params, records_for(params))
+        return list(cached[2])
 
     # ------------------------------------------------------------------ torch.optim plumbing
 
@@ -408,7 +417,8 @@ class DPOptimizer(_MultiPassDispatch):
                 noise = _generate_noise(std, p.summed_grad, self.generator, self.secure_mode)
                 p.grad = noise.add_(p.summed_grad).view_as(p)  # in place: one tensor, not two
             else:
-                p.grad = torch.add(p.summed_grad, flat[id(p)].view_as(p.summed_grad)).view_as(p)
+                g = torch.add(p.summed_grad, flat[id(p)])
+                p.grad = g if g.shape == p.shape else g.view_as(p)
             _mark_as_processed(p.summed_grad)
 
     def scale_grad(self) -> None:
