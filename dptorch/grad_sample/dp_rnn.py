@@ -45,7 +45,7 @@ class _GivenInputGradOnly(torch.autograd.Function):
 
 def rnn_linear_input_grad_only(layer: RNNLinear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` with autograd computing ``∂L/∂x`` only; the recurrence's value if given."""
-    given = layer.take_given()
+    given = layer.take_given(x)
     if given is None:
         return linear_input_grad_only(layer, x)
     return _GivenInputGradOnly.apply(given, x, layer.weight, layer.bias)

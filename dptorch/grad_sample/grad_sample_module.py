@@ -205,12 +205,14 @@ class GradSampleModule(AbstractGradSampleModule):
         self._root_handles = []
 
     def _root_pre_hook(self, module, args, kwargs):
+        if self._in_functorch:  # torch.func replaying the root (a layer with own parameters)
+            return
         self._begin_forward(args, kwargs)
         if self._trace is not None:  # hooks registered now do not run for this very call
             self._trace_enter(module, args, kwargs)
 
     def _root_post_hook(self, module, args, kwargs, out):
-        if self._forward is not None:
+        if self._forward is not None and not self._in_functorch:
             self._end_forward(out, failed=sys.exc_info()[0] is not None)
 
     # ------------------------------------------------------------------ hooks management
@@ -454,18 +456,23 @@ class GradSampleModule(AbstractGradSampleModule):
         ``p._current_grad_sample``; they become ``p.grad_sample`` at the end of the backward pass.
         """
         backprops = _first_tensor(forward_output)
+        # the 1/B of a mean loss is undone by ``scale``, applied where it is cheapest (a copy
+        # of the backprops in hooks mode; the norms and clip factors in ghost and bk)
         activations, backprops = self.rearrange_grad_samples(
             module=module,
             backprops=backprops,
-            loss_reduction=loss_reduction,
+            loss_reduction="sum",
             batch_first=batch_first,
             activations=_forward_input,
         )
+        scale = 1.0
+        if loss_reduction == "mean":
+            scale = float(getattr(module, "max_batch_len", None) or backprops.shape[0])
         self._queue_end_of_backward()
         n = self._check_rows(module, backprops.shape[0])
         activations, backprops = _in_parameter_precision(module, activations, backprops)
         with torch.autocast(backprops.device.type, enabled=False):
-            self._process_call(module, activations, backprops, forward_kwargs, n)
+            self._process_call(module, activations, backprops, forward_kwargs, n, scale)
 
     def _check_rows(self, module: nn.Module, rows: int) -> int:
         """The rows every per-sample tensor of this call must have, else ``ValueError``.
@@ -501,9 +508,14 @@ class GradSampleModule(AbstractGradSampleModule):
             rec.batch_size = rows
         return rows
 
-    def _process_call(self, module, activations, backprops, kwargs, max_batch_len: int) -> None:
-        """One call's contribution from batch-first ``activations``/``backprops``: per-sample
-        gradients summed into ``p._current_grad_sample`` (fast clipping overrides this)."""
+    def _process_call(
+        self, module, activations, backprops, kwargs, max_batch_len: int, scale: float = 1.0
+    ) -> None:
+        """One call's contribution from batch-first ``activations`` and ``scale · backprops``:
+        per-sample gradients summed into ``p._current_grad_sample`` (fast clipping overrides
+        this)."""
+        if scale != 1.0:
+            backprops = backprops * scale
         grad_samples = self._compute_grad_samples(module, activations, backprops, kwargs)
         for p, gs in grad_samples.items():
             self._accumulate_current(p, gs, max_batch_len)

@@ -74,7 +74,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         self._reached: dict[int, nn.Parameter] = {}
         super().__init__(m, **kwargs)
         self._keep_output_edges = False  # no norm pass: one ordinary backward
-        self._records: list[tuple[nn.Module, list, torch.Tensor, dict | None]] = []
+        self._records: list[tuple[nn.Module, list, torch.Tensor, dict | None, float]] = []
         self._install_bk()
 
     def _check_contract(self, clipping) -> None:
@@ -166,8 +166,8 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         )
         return kept > replaced
 
-    def _record_call(self, module, activations, backprops, kwargs) -> None:
-        self._records.append((module, activations, backprops, kwargs))
+    def _record_call(self, module, activations, backprops, kwargs, scale: float = 1.0) -> None:
+        self._records.append((module, activations, backprops, kwargs, scale))
 
     def _keep_instantiated(self) -> bool:
         return True
@@ -207,8 +207,10 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 c = coef[id(p)][: gs.shape[0]].to(gs.dtype)
                 add(p, weighted_sum(c, gs))
                 del p._current_grad_sample
-        for module, activations, backprops, kwargs in records:
-            for p, g in self._clipped_sum(module, activations, backprops, kwargs, coef, b).items():
+        for module, activations, backprops, kwargs, scale in records:
+            for p, g in self._clipped_sum(
+                module, activations, backprops, kwargs, coef, b, scale
+            ).items():
                 add(p, g)
         self._write_clipped_sums(list(sums.values()))
         self.mark_clipped_pass(contract.snapshot())
@@ -227,8 +229,10 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             else:  # in place, as autograd accumulates: no second parameter-sized tensor
                 p.grad.add_(g)
 
-    def _clipped_sum(self, module, activations, backprops, kwargs, coef, b) -> dict:
-        """``{p: Σ_b c_b ∇_p loss_b}`` of one recorded call, from ``(A, c ⊙ G)``."""
+    def _clipped_sum(self, module, activations, backprops, kwargs, coef, b, scale=1.0) -> dict:
+        """``{p: Σ_b c_b ∇_p loss_b}`` of one recorded call (per-sample gradients ``scale``
+        times those of ``(A, G)``): the rule's ``weighted_clipped_sum``, else its
+        ``clipped_sum`` of ``(A, c ⊙ G)``."""
         params = self.sampled_params(module)
         groups: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
         for p in params:  # parameters sharing a factor tensor are summed in one call
@@ -244,16 +248,20 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         out = {}
         rule = rule_for(module)
         fn = rule.clipped_sum if rule is not None else None
+        weighted = rule.weighted_clipped_sum if rule is not None else None
         for c, ps in groups:
             c = c[: backprops.shape[0]].to(backprops.dtype)
-            scaled = backprops * c.view(-1, *([1] * (backprops.dim() - 1)))
-            if fn is not None:
-                res = fn(module, activations, scaled)
+            if scale != 1.0:
+                c = c * scale
+            if weighted is not None:
+                res = weighted(module, activations, backprops, c)
+            elif fn is not None:
+                res = fn(module, activations, _rows_scaled(backprops, c))
             else:
                 self._in_functorch = True
                 try:
                     res = generic_clipped_sum(
-                        module, activations, scaled, kwargs,
+                        module, activations, _rows_scaled(backprops, c), kwargs,
                         batch_first=module_batch_first(module, self.batch_first),
                         params=self._sampled.get(id(module)),
                     )
@@ -263,6 +271,11 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 if p in res:
                     out[p] = res[p]
         return out
+
+
+def _rows_scaled(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(B, ...)`` with row ``b`` multiplied by ``c_b``."""
+    return t * c.view(-1, *([1] * (t.dim() - 1)))
 
 
 class GradSampleHooksBookKeeping(GradSampleModuleBookKeeping):

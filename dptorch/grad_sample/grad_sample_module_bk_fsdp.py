@@ -136,9 +136,9 @@ class GradSampleModuleBookKeepingFSDP(FSDPParamsMixin, GradSampleModuleBookKeepi
             for name, cur in swapped:
                 _set_parameter(module, name, cur)
 
-    def _clipped_sum(self, module, activations, backprops, kwargs, coef, b) -> dict:
+    def _clipped_sum(self, module, activations, backprops, kwargs, coef, b, scale=1.0) -> dict:
         with self._unsharded_on(module):
-            return super()._clipped_sum(module, activations, backprops, kwargs, coef, b)
+            return super()._clipped_sum(module, activations, backprops, kwargs, coef, b, scale)
 
     def _write_clipped_sums(self, sums: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         """One reduce-scatter (sum over the ranks) per trainable parameter, in the same order on

@@ -38,7 +38,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from ..clipping import ClippingContract
 from .grad_sample_module import GradSampleModule
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
-from .norm_samplers import Factors, factor_inner
+from .norm_samplers import Factors, factor_inner, sq_norms
 from .registry import rule_for
 from .step_record import PassRecord, grad_state
 
@@ -223,21 +223,26 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 "which compute this layer's per-sample contribution exactly."
             )
 
-    def _process_call(self, module, activations, backprops, kwargs, max_batch_len: int) -> None:
-        """Adds this call's squared per-sample norms (norm sampler) or per-sample gradients
-        (instantiation, summed over calls) to the pass's state."""
+    def _process_call(
+        self, module, activations, backprops, kwargs, max_batch_len: int, scale: float = 1.0
+    ) -> None:
+        """Adds this call's squared per-sample norms (norm sampler; the per-sample gradients are
+        ``scale`` times those of ``backprops``, so the norms ``scale²`` times) or per-sample
+        gradients (instantiation, summed over calls) to the pass's state."""
         if self._use_norm_sampler(module, activations, backprops):
             ids = self.sampled_ids(module)
             rule = rule_for(module)
             for p, sq in rule.norm_sq(module, activations, backprops).items():
                 if id(p) in ids:
-                    self._add_norm_sq(p, _pad_to(sq, max_batch_len))
+                    self._add_norm_sq(p, _pad_to(sq * (scale * scale), max_batch_len))
                     self._pass.covered.add(id(p))
             if not self._single_call(module):
-                self._add_cross_terms(module, rule, activations, backprops, ids, max_batch_len)
-            self._record_call(module, activations, backprops, kwargs)
+                self._add_cross_terms(
+                    module, rule, activations, backprops, ids, max_batch_len, scale
+                )
+            self._record_call(module, activations, backprops, kwargs, scale)
         else:
-            super()._process_call(module, activations, backprops, kwargs, max_batch_len)
+            super()._process_call(module, activations, backprops, kwargs, max_batch_len, scale)
 
     def _single_call(self, module: nn.Module) -> bool:
         """Whether every sampled parameter of ``module`` was used by exactly one call."""
@@ -293,23 +298,26 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             and (self._single_call(module) or self._factorable(module))
         )
 
-    def _add_cross_terms(self, module, rule, activations, backprops, ids, max_batch_len) -> None:
+    def _add_cross_terms(
+        self, module, rule, activations, backprops, ids, max_batch_len, scale: float = 1.0
+    ) -> None:
         """For each parameter of this call used by several calls: ``2⟨G_this, G_k⟩`` per sample
-        with every earlier call ``k`` of the pass, from the calls' factors."""
+        with every earlier call ``k`` of the pass, from the calls' factors (each call's
+        per-sample gradient is its ``scale`` times its factors')."""
         shared = {i for i in ids if self._call_counts.get(i, 0) > 1}
         for p, f in rule.factors(module, activations, backprops).items():
             if id(p) not in shared:
                 continue
             earlier = self._factors.setdefault(id(p), [])
-            for h in earlier:
+            for h, h_scale in earlier:
                 cross = factor_inner(f, h) if f.v.shape[0] == h.v.shape[0] else None
                 if cross is None:  # padded (recurrent) calls: align the rows first
                     n = max(f.v.shape[0], h.v.shape[0])
                     cross = factor_inner(_pad_factors(f, n), _pad_factors(h, n))
-                self._add_norm_sq(p, _pad_to(2 * cross, max_batch_len))
-            earlier.append(f)
+                self._add_norm_sq(p, _pad_to(cross * (2 * scale * h_scale), max_batch_len))
+            earlier.append((f, scale))
 
-    def _record_call(self, module, activations, backprops, kwargs) -> None:
+    def _record_call(self, module, activations, backprops, kwargs, scale: float = 1.0) -> None:
         """Hook for subclasses that need the call's ``(A, G)`` after the norms (book-keeping)."""
 
     def _add_norm_sq(self, p: nn.Parameter, sq: torch.Tensor) -> None:
@@ -327,7 +335,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         for p in pending:
             gs = p._current_grad_sample
             if layout is None or layout.one_row_per_group:
-                self._add_norm_sq(p, gs.pow(2).sum(tuple(range(1, gs.dim()))))
+                self._add_norm_sq(p, sq_norms(gs))
             else:  # a user's rows: the norm of their summed gradient
                 self._add_norm_sq(p, layout.unit_norm_sq(gs))
             if not self._keep_instantiated():

@@ -21,6 +21,7 @@ from .linear import _gram_norms
 from .norm_samplers import (
     Factors,
     ParamDict,
+    clip_weighted_pair,
     ghost_is_cheaper,
     positions,
     sq_norms,
@@ -81,6 +82,21 @@ def conv1d_clipped_sum(
     return ret
 
 
+def conv1d_weighted_clipped_sum(
+    layer: nn.Module, activations: Sequence[torch.Tensor], backprops: torch.Tensor, c: torch.Tensor
+) -> ParamDict:
+    """``weight``: ``Σ_{b,t} c_b a_{bt} g_{bt}ᵀ``, one matmul with ``c`` applied to the smaller
+    of ``A`` and ``G``; ``bias``: ``Σ_b c_b Σ_t g_{bt}``."""
+    a, g = _flat(layer, activations, backprops)
+    ret: ParamDict = {}
+    if wants_grad(layer.weight):
+        ac, gc = clip_weighted_pair(a, g, c)
+        ret[layer.weight] = ac.reshape(-1, layer.nx).t().mm(gc.reshape(-1, layer.nf))
+    if wants_grad(layer.bias):
+        ret[layer.bias] = c.matmul(g.sum(1))
+    return ret
+
+
 def conv1d_factors(
     layer: nn.Module, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, Factors]:
@@ -130,5 +146,6 @@ CONV1D_RULE = register_layer_rule(
         input_grad_only=conv1d_input_grad_only,
         prefer_ghost=conv1d_prefers_ghost,
         factors=conv1d_factors,
+        weighted_clipped_sum=conv1d_weighted_clipped_sum,
     ),
 )

@@ -17,6 +17,7 @@ from torch import nn
 from .norm_samplers import (
     Factors,
     ParamDict,
+    clip_weighted_pair,
     ghost_is_cheaper,
     positions,
     sample_norms,
@@ -96,6 +97,24 @@ def linear_clipped_sum(
     return ret
 
 
+def linear_weighted_clipped_sum(
+    layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor, c: torch.Tensor
+) -> ParamDict:
+    """``weight``: ``Σ_{b,t} c_b g_{bt} a_{bt}ᵀ``, one matmul with ``c`` applied to the smaller of
+    ``A`` and ``G``; ``bias``: ``Σ_b c_b Σ_t g_{bt}``."""
+    b, t = backprops.shape[0], positions(activations[0])
+    g = backprops.reshape(b, t, layer.out_features)
+    ret: ParamDict = {}
+    if wants_grad(layer.weight):
+        a, gc = clip_weighted_pair(activations[0].reshape(b, t, layer.in_features), g, c)
+        ret[layer.weight] = gc.reshape(-1, layer.out_features).t().mm(
+            a.reshape(-1, layer.in_features)
+        )
+    if wants_grad(layer.bias):
+        ret[layer.bias] = c.matmul(g.sum(1))
+    return ret
+
+
 def linear_factors(
     layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, Factors]:
@@ -146,5 +165,6 @@ LINEAR_RULE = register_layer_rule(
         input_grad_only=linear_input_grad_only,
         prefer_ghost=linear_prefers_ghost,
         factors=linear_factors,
+        weighted_clipped_sum=linear_weighted_clipped_sum,
     ),
 )

@@ -93,6 +93,16 @@ def positions(x: torch.Tensor, first: int = 1, last: int = -1) -> int:
     return t
 
 
+def clip_weighted_pair(
+    a: torch.Tensor, g: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, G)`` ``(B, T, ·)`` with the clip factors ``c`` ``(B,)`` applied to the rows of the
+    smaller of the two: either way ``Σ_{b,t} (c_b g_{bt}) a_{bt}ᵀ`` is one matmul of the pair."""
+    if a.numel() < g.numel():
+        return a * c.view(-1, 1, 1), g
+    return a, g * c.view(-1, 1, 1)
+
+
 def instantiated_norm_sq(grad_sampler):
     """A ``norm_sq`` for a layer whose per-sample gradient is small (e.g. ``(B, C)`` for the
     normalisation layers): the squared norms ``{param: (B,)}`` of ``grad_sampler``'s result."""

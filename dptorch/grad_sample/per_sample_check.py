@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from ..utils.packed_sequences import compute_seq_lengths
+from .norm_samplers import sq_norms
 from .utils import wrap_model
 
 logger = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ def compute_per_sample_norms(
     ``grad_sample_mode`` computes them (any mode; ghost and bk without per-sample gradients)."""
     if grad_sample_mode not in _NORM_ONLY:
         gs = compute_opacus_grad_sample(x, module, batch_first, loss_reduction, grad_sample_mode)
-        return torch.stack([g.flatten(1).norm(dim=1) for g in gs.values()]).norm(dim=0)
+        return torch.stack([sq_norms(g) for g in gs.values()]).sum(0).sqrt()
     gsm = _backward_through(
         x, module, batch_first, loss_reduction, grad_sample_mode, max_grad_norm=1.0
     )
@@ -257,7 +258,7 @@ def check_per_sample_gradients_are_correct(
         sample_x = unpack_packedsequences(x) if isinstance(x, PackedSequence) else x
         reference = compute_microbatch_grad_sample(sample_x, module, batch_first, red)
         if grad_sample_mode in _NORM_ONLY:
-            want = torch.stack([g.flatten(1).norm(dim=1) for g in reference.values()]).norm(dim=0)
+            want = torch.stack([sq_norms(g) for g in reference.values()]).sum(0).sqrt()
             got = compute_per_sample_norms(x, module, batch_first, red, grad_sample_mode)
             ok &= _close(f"per-sample norms ({red})", got, want, atol, rtol)
             continue

@@ -73,6 +73,12 @@ class LayerRule:
     #: (``Embedding(scale_grad_by_freq=True)`` divides by counts over the whole batch). Ghost
     #: mode, whose second backward pass lets autograd form the clipped sum, refuses such a layer.
     batch_grad_not_a_sum: Callable[[nn.Module], str | None] | None = None
+    #: optional, outside :data:`RULE_FIELDS`: ``(layer, activations, backprops, c) -> {param:
+    #: Σ_b c_b ∇_p loss_b}``, the clipped sum given the clip factors ``c`` ``(B,)``, for a layer
+    #: that can apply them more cheaply than to a copy of the output gradient (``Linear``
+    #: scales whichever of its input and output gradient is smaller). Without it bk calls
+    #: ``clipped_sum`` with ``c ⊙ G``.
+    weighted_clipped_sum: Callable[..., dict] | None = None
 
     def missing(self) -> list[str]:
         """Fields that are neither set nor declared generic (empty for a complete rule)."""

@@ -44,30 +44,33 @@ class RNNLinear(nn.Linear):
     ``nn.Linear``). It is always called batch first, ``(B, T, in)`` or ``(B, in)``, whatever the
     ``batch_first`` of the surrounding ``GradSampleModule``.
 
-    Inside :meth:`returning`, the next call returns the given value of ``x Wᵀ + b`` (already
-    computed by the recurrence) instead of computing it again; autograd, and every hook on the
-    call, treat it exactly as ``F.linear(x, weight, bias)``.
+    Inside :meth:`returning`, the call on the given input returns the given value of
+    ``input Wᵀ + b`` (already computed by the recurrence) instead of computing it again;
+    autograd, and every hook on the call, treat it exactly as ``F.linear(input, weight, bias)``.
     """
 
     grad_sample_batch_first = True
-    _given: torch.Tensor | None = None
+    _given: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @contextmanager
-    def returning(self, output: torch.Tensor) -> Iterator[None]:
-        """The next call of the layer returns ``output`` (its value, ``x Wᵀ + b``)."""
-        self._given = output
+    def returning(self, output: torch.Tensor, *, for_input: torch.Tensor) -> Iterator[None]:
+        """The call of the layer on ``for_input`` (that tensor object) returns ``output``, its
+        value ``for_input Wᵀ + b``, once; any other call computes as usual."""
+        self._given = (for_input, output)
         try:
             yield
         finally:
             self._given = None
 
-    def take_given(self) -> torch.Tensor | None:
-        """The value set by :meth:`returning`, once (``None`` outside it)."""
-        given, self._given = self._given, None
+    def take_given(self, input: torch.Tensor) -> torch.Tensor | None:
+        """The value set by :meth:`returning` if ``input`` is its input (once), else ``None``."""
+        if self._given is None or self._given[0] is not input:
+            return None
+        given, self._given = self._given[1], None
         return given
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        given = self.take_given()
+        given = self.take_given(input)
         if given is None:
             return super().forward(input)
         return _GivenLinear.apply(given, input, self.weight, self.bias)
@@ -523,7 +526,7 @@ def _lstm_values(
     v = _LSTMValues(
         out=new(b, t_len, h_size),
         hprev=new(b, t_len, h_size),
-        pre=xi.clone() if bias is None else xi + bias.detach(),
+        pre=xi.clone() if bias is None else xi + bias.detach().to(xi.dtype),
         cs=new(t_len + 1, b, h_size),
         gates=new(b, t_len, 4, h_size),
         tanh_c=new(t_len, b, h_size),
@@ -531,9 +534,9 @@ def _lstm_values(
         mask=None if mask is None else mask.transpose(0, 1),
         reverse=reverse,
     )
-    w_t = v.w_hh.t()
+    w_t = v.w_hh.t().to(xi.dtype)  # under autocast the recurrence runs in xi's precision
     v.cs[t_len if reverse else 0] = c0
-    h = h0
+    h = h0.to(xi.dtype)
     for t in range(t_len - 1, -1, -1) if reverse else range(t_len):
         read, write = (t + 1, t) if reverse else (t, t + 1)
         v.hprev[:, t] = h
@@ -639,7 +642,7 @@ def _run_lstm(
     recurrence one :class:`_LSTMRecurrence`. Returns ``(outputs (B, T, H), (h_n, c_n))``."""
     xi = cell.ih(x)
     v = _lstm_values(cell, xi.detach(), state0[0], state0[1], mask, reverse)
-    with cell.hh.returning(v.pre):
+    with cell.hh.returning(v.pre, for_input=v.hprev):
         hh = cell.hh(v.hprev)
     out, h_n, c_n = _LSTMRecurrence.apply(xi, hh, state0[0], state0[1], v)
     return out, (h_n, c_n)

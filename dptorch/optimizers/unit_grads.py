@@ -9,6 +9,8 @@ other's code.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -54,13 +56,18 @@ def _as_passes(gs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return gs if _has_pass_axis(gs, p) else gs.unsqueeze(0)
 
 
+def per_row(gs: torch.Tensor) -> torch.Tensor:
+    """``(P, B, *shape) -> (P, B, numel)``, also for a 0-dim parameter and ``B = 0``."""
+    return gs.reshape(gs.shape[0], gs.shape[1], math.prod(gs.shape[2:]))
+
+
 def flat_norms(unit_grads: UnitGrads) -> torch.Tensor:
     """L2 norm over all parameters of each unit's gradient, ``(P, B)`` (``(1, 0)`` when empty)."""
     if not unit_grads:
         return torch.zeros(1, 0)
     # vector_norm avoids a squared copy of every per-sample gradient (15x faster on CPU)
     sq = torch.stack(
-        [torch.linalg.vector_norm(gs.flatten(2), dim=2).pow(2) for _, gs in unit_grads], dim=0
+        [torch.linalg.vector_norm(per_row(gs), dim=2).pow(2) for _, gs in unit_grads], dim=0
     )
     return sq.sum(0).sqrt()
 

@@ -12,7 +12,7 @@ from dptorch.grad_sample import GRAD_SAMPLERS, NORM_SAMPLERS
 from dptorch.grad_sample import conv as conv_rule
 from dptorch.grad_sample import linear as linear_rule
 from dptorch.grad_sample.norm_samplers import generic_clipped_sum, ghost_is_cheaper
-from dptorch.grad_sample.registry import LAYER_RULES
+from dptorch.grad_sample.registry import LAYER_RULES, rule_for
 
 SETTINGS = settings(max_examples=12, deadline=None)
 
@@ -127,3 +127,37 @@ def test_cost_model():
     assert ghost_is_cheaper(1, 10, 10)
     assert ghost_is_cheaper(4, 512, 512)
     assert not ghost_is_cheaper(196, 64, 16)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    kind=st.sampled_from(["linear", "conv1d"]),
+    b=st.integers(0, 4),
+    t=st.integers(1, 6),
+    d_in=st.integers(1, 9),
+    d_out=st.integers(1, 9),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_weighted_clipped_sum_equals_per_sample_sum(kind, b, t, d_in, d_out, bias, seed):
+    """A rule's ``weighted_clipped_sum`` (clip factors applied to the smaller of input and
+    output gradient) is ``Σ_b c_b grad_b`` of the materialised per-sample gradients, for every
+    parameter, the bias included."""
+    torch.manual_seed(seed)
+    if kind == "linear":
+        layer = nn.Linear(d_in, d_out, bias=bias)
+    else:
+        from transformers.pytorch_utils import Conv1D
+
+        layer = Conv1D(d_out, d_in)
+        if not bias:
+            layer.bias = None
+    rule = rule_for(layer)
+    a = torch.randn(b, t, d_in)
+    g = torch.randn(b, t, d_out)
+    c = torch.rand(b)
+    got = rule.weighted_clipped_sum(layer, [a], g, c)
+    per_sample = rule.grad_sample(layer, [a], g)
+    assert set(got) == set(per_sample) == {p for p in layer.parameters()}
+    for p, gs in per_sample.items():
+        torch.testing.assert_close(got[p], torch.einsum("b,b...->...", c, gs))
