@@ -8,6 +8,7 @@ Prints each median with its interquartile range as a ratio to the native step, a
 page faults per step (every fresh megabyte costs about 0.35 ms on this project's VM).
 
     .venv/bin/python benchmarks/bench_dplstm.py [--mode bk] [--repeats 30] [--quick]
+    .venv/bin/python benchmarks/bench_dplstm.py --only native   # one step type alone
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--mode", default="bk", help="grad_sample_mode of the DP step")
     parser.add_argument("--repeats", type=int, default=None, help="default 30 (5 with --quick)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=["native", "dplstm", "dp"], default=None,
+                        help="time one step alone in this process (no allocator interplay)")
     args = parser.parse_args()
     repeats = args.repeats or (5 if args.quick else 30)
     single_threaded()
@@ -70,6 +73,9 @@ def main() -> None:
         )
     runs = {"nn.LSTM, non-private": native, "DPLSTM, non-private": dplstm,
             f"DPLSTM, DP step ({args.mode})": (dp_model, dp_opt)}
+    if args.only is not None:
+        name = list(runs)[["native", "dplstm", "dp"].index(args.only)]
+        runs = {name: runs[name]}
 
     def step(model, opt):
         opt.zero_grad()
@@ -85,7 +91,7 @@ def main() -> None:
             if r >= 3:
                 times[name].append(time.perf_counter() - t0)
                 faults[name].append(_faults() - f0)
-    base = statistics.median(times["nn.LSTM, non-private"])
+    base = statistics.median(times.get("nn.LSTM, non-private", next(iter(times.values()))))
     print(f"{'step':32s} {'median':>9s} {'ratio to nn.LSTM':>17s} {'IQR':>14s} {'faults':>7s}")
     for name, ts in times.items():
         q1, _, q3 = statistics.quantiles([t / base for t in ts], n=4)

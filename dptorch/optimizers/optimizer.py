@@ -412,21 +412,24 @@ class DPOptimizer(_MultiPassDispatch):
         for p in params:
             _check_processed_flag(p.summed_grad)
         flat = None if self.secure_mode or std == 0 else _draw_flat_noise(self, params, std)
-        for p in params:
-            if flat is None:
+        if flat is None:
+            for p in params:
                 noise = _generate_noise(std, p.summed_grad, self.generator, self.secure_mode)
                 p.grad = noise.add_(p.summed_grad).view_as(p)  # in place: one tensor, not two
-            else:
-                g = torch.add(p.summed_grad, flat[id(p)])
+        elif params:  # one fused add for all parameters (few kernel launches on a GPU)
+            noisy = torch._foreach_add([p.summed_grad for p in params], [flat[id(p)] for p in params])
+            for p, g in zip(params, noisy):
                 p.grad = g if g.shape == p.shape else g.view_as(p)
+        for p in params:
             _mark_as_processed(p.summed_grad)
 
     def scale_grad(self) -> None:
         """Divides ``p.grad`` by ``expected_batch_size × accumulated_iterations`` for "mean"."""
         if self.loss_reduction == "mean":
             denom = self.expected_batch_size * self.accumulated_iterations
-            for p in self.params:
-                p.grad /= denom
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, denom)
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Asks the next ``step()`` to only clip and accumulate (a physical batch of a logical
