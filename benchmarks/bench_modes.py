@@ -24,7 +24,7 @@ from _timing import SampleConvNet, emit, interleaved_medians, mlp, run_worker, s
 
 logger = logging.getLogger("bench_modes")
 
-WORKLOADS = ["convnet64", "convnet256", "mlp256", "transformer32", "lstm64"]
+WORKLOADS = ["convnet64", "convnet256", "cifar32", "mlp256", "transformer32", "lstm64"]
 DPTORCH_MODES = ["hooks", "functorch", "ew", "ghost", "bk"]
 OPACUS_MODES = ["hooks", "ew", "ghost"]
 OPACUS_PYTHON = "/work/opacus-venv/bin/python"
@@ -82,6 +82,13 @@ def _build(lib: str, workload: str, quick: bool):
         return TextTransformer(), torch.randint(0, 10000, (32, t), generator=g), torch.randint(0, 2, (32,), generator=g)
     if workload == "lstm64":
         return CharLSTM(), torch.randint(0, 256, (64, 32), generator=g), torch.randint(0, 18, (64,), generator=g)
+    if workload == "cifar32":  # CIFAR-10-style VGG blocks (Opacus's CIFAR example), B=32
+        def block(i, o):
+            return [nn.Conv2d(i, o, 3, padding=1), nn.ReLU(), nn.Conv2d(o, o, 3, padding=1), nn.ReLU(),
+                    nn.AvgPool2d(2)]
+        model = nn.Sequential(*block(3, 32), *block(32, 64), *block(64, 128), nn.Flatten(),
+                              nn.Linear(128 * 16, 10))
+        return model, torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
     raise KeyError(workload)
 
 

@@ -39,7 +39,7 @@ from collections import defaultdict
 
 from _timing import emit, run_worker, single_threaded
 
-WORKLOADS = ["convnet64", "convnet256", "mlp256", "transformer32", "lstm64", "gpt2", "bert"]
+WORKLOADS = ["convnet64", "convnet256", "cifar32", "mlp256", "transformer32", "lstm64", "gpt2", "bert"]
 HF_WORKLOADS = ("gpt2", "bert")
 
 
