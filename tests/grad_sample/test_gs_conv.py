@@ -113,20 +113,21 @@ def test_convolution2d_backward_as_a_convolution_matches_brute_force(
     stride=st.integers(1, 2), groups=st.sampled_from([1, 2]), padding=st.sampled_from([0, 1]),
     mode=st.sampled_from(["zeros", "circular"]), bias=st.booleans(), b=st.integers(0, 3),
 )
-def test_large_feature_maps_take_the_folded_path_exactly(stride, groups, padding, mode, bias, b):
-    """A Conv2d with >= 256 output positions and few output channels per group takes the
+def test_folded_path_is_exact(stride, groups, padding, mode, bias, b):
+    """A Conv2d with few output channels and large receptive fields per group takes the
     batch-folded grouped convolution (faster there) for its per-sample gradients and norms;
     both equal one-sample-at-a-time autograd in float64."""
     from dptorch.grad_sample import conv as conv_rule
 
     torch.manual_seed(1)
-    layer = nn.Conv2d(4, 6, 3, stride=stride, groups=groups, padding=padding, padding_mode=mode,
-                      bias=bias).double()
-    x = torch.randn(b, 4, 33, 34, dtype=torch.float64)
-    g = torch.randn(layer(torch.zeros(1, 4, 33, 34, dtype=torch.float64)).shape[1:],
-                    dtype=torch.float64).expand(b, -1, -1, -1) * torch.randn(b, 1, 1, 1, dtype=torch.float64)
-    n_out = g.shape[2] * g.shape[3]
-    assert conv_rule._folding_is_faster(layer, n_out) == (n_out >= 256)
+    c_in = 16 * groups  # receptive field 16 * 9 = 144 values per group
+    layer = nn.Conv2d(c_in, 6, 3, stride=stride, groups=groups, padding=padding,
+                      padding_mode=mode, bias=bias).double()
+    x = torch.randn(b, c_in, 9, 10, dtype=torch.float64)
+    g = torch.randn(b, *layer(x[:1].new_zeros(1, *x.shape[1:])).shape[1:], dtype=torch.float64)
+    assert conv_rule._folding_is_faster(layer)
+    assert not conv_rule._folding_is_faster(nn.Conv2d(c_in, 128 * groups, 3, groups=groups))
+    assert not conv_rule._folding_is_faster(nn.Conv2d(3, 6, 3))
     got = conv_rule.compute_conv_grad_sample(layer, [x], g)
     norms = conv_rule.compute_conv_norm_sq_sample(layer, [x], g)
     params = [p for p in layer.parameters()]
