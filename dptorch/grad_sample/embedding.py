@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norm_samplers import Factors, ParamDict, positions, sample_norms, wants_grad
-from .registry import LayerRule, register_layer_rule
+from .registry import LayerRule, pairs_with, register_layer_rule
 
 
 def _scatter_rows(
@@ -266,6 +266,7 @@ def embedding_clipped_sum(
     return {layer.weight: grad}
 
 
+@pairs_with("norm_sq", compute_embedding_norm_sq_sample)
 def embedding_factors(
     layer: nn.Embedding, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, Factors]:

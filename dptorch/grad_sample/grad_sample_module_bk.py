@@ -38,7 +38,7 @@ from torch import nn
 from .functorch import module_batch_first
 from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 from .norm_samplers import generic_clipped_sum
-from .registry import input_grad_only_forward, prefer_ghost, rule_for
+from .registry import derived, input_grad_only_forward, prefer_ghost, rule_for
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         out = {}
         rule = rule_for(module)
         fn = rule.clipped_sum if rule is not None else None
-        weighted = rule.weighted_clipped_sum if rule is not None else None
+        weighted = derived(rule, "weighted_clipped_sum")
         for c, ps in groups:
             c = c[: backprops.shape[0]].to(backprops.dtype)
             if scale != 1.0:

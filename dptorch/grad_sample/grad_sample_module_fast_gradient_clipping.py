@@ -39,7 +39,7 @@ from ..clipping import ClippingContract
 from .grad_sample_module import GradSampleModule
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
 from .norm_samplers import Factors, factor_inner, sq_norms
-from .registry import rule_for
+from .registry import derived, rule_for
 from .step_record import PassRecord, grad_state
 
 logger = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 continue
             seen_modules.add(id(m))
             rule = rule_for(m)
-            if rule is None or rule.factors is None or rule.norm_sq is None:
+            if rule is None or derived(rule, "factors") is None or rule.norm_sq is None:
                 return False
             for p in self.sampled_params(m):
                 n = self._call_counts.get(id(p), 0)
@@ -305,7 +305,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         with every earlier call ``k`` of the pass, from the calls' factors (each call's
         per-sample gradient is its ``scale`` times its factors')."""
         shared = {i for i in ids if self._call_counts.get(i, 0) > 1}
-        for p, f in rule.factors(module, activations, backprops).items():
+        for p, f in derived(rule, "factors")(module, activations, backprops).items():
             if id(p) not in shared:
                 continue
             earlier = self._factors.setdefault(id(p), [])

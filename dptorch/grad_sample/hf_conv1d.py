@@ -27,7 +27,7 @@ from .norm_samplers import (
     sq_norms,
     wants_grad,
 )
-from .registry import LayerRule, register_layer_rule
+from .registry import LayerRule, pairs_with, register_layer_rule
 
 CONV1D = "transformers.pytorch_utils.Conv1D"
 
@@ -82,6 +82,7 @@ def conv1d_clipped_sum(
     return ret
 
 
+@pairs_with("clipped_sum", conv1d_clipped_sum)
 def conv1d_weighted_clipped_sum(
     layer: nn.Module, activations: Sequence[torch.Tensor], backprops: torch.Tensor, c: torch.Tensor
 ) -> ParamDict:
@@ -97,6 +98,7 @@ def conv1d_weighted_clipped_sum(
     return ret
 
 
+@pairs_with("norm_sq", compute_conv1d_norm_sq_sample)
 def conv1d_factors(
     layer: nn.Module, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, Factors]:

@@ -24,7 +24,7 @@ from .norm_samplers import (
     sq_norms,
     wants_grad,
 )
-from .registry import LayerRule, register_layer_rule
+from .registry import LayerRule, pairs_with, register_layer_rule
 
 
 def compute_linear_grad_sample(
@@ -97,6 +97,7 @@ def linear_clipped_sum(
     return ret
 
 
+@pairs_with("clipped_sum", linear_clipped_sum)
 def linear_weighted_clipped_sum(
     layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor, c: torch.Tensor
 ) -> ParamDict:
@@ -115,6 +116,7 @@ def linear_weighted_clipped_sum(
     return ret
 
 
+@pairs_with("norm_sq", compute_linear_norm_sq_sample)
 def linear_factors(
     layer: nn.Linear, activations: Sequence[torch.Tensor], backprops: torch.Tensor
 ) -> dict[nn.Parameter, Factors]:

@@ -171,6 +171,30 @@ def register_layer_rule(target_class_or_classes: Target | Iterable[Target], rule
     return rule
 
 
+def pairs_with(field: str, partner: Callable) -> Callable[[Callable], Callable]:
+    """Marks an optional rule function (``weighted_clipped_sum``, ``factors``) as a faster or
+    factored form of ``partner``, the rule's ``field``: :func:`derived` returns it only from a
+    rule whose ``field`` is still ``partner`` (a rule built with ``replace(LINEAR_RULE,
+    clipped_sum=mine)`` must not keep Linear's weighted sum, which would ignore ``mine``)."""
+
+    def mark(fn: Callable) -> Callable:
+        fn.pairs_with = (field, partner)
+        return fn
+
+    return mark
+
+
+def derived(rule: LayerRule | None, name: str) -> Callable | None:
+    """The rule's optional function ``name`` if it is consistent with the rule (see
+    :func:`pairs_with`), else ``None`` (the mode then takes the path that needs only the
+    required fields)."""
+    fn = getattr(rule, name, None) if rule is not None else None
+    partner = getattr(fn, "pairs_with", None)
+    if fn is None or (partner is not None and getattr(rule, partner[0]) is not partner[1]):
+        return None
+    return fn
+
+
 def rule_for_type(t: type) -> LayerRule | None:
     """The rule registered for the type ``t`` exactly (or its qualified name), or ``None``.
 

@@ -161,3 +161,26 @@ def test_weighted_clipped_sum_equals_per_sample_sum(kind, b, t, d_in, d_out, bia
     assert set(got) == set(per_sample) == {p for p in layer.parameters()}
     for p, gs in per_sample.items():
         torch.testing.assert_close(got[p], torch.einsum("b,b...->...", c, gs))
+
+
+def test_derived_fields_follow_their_partner():
+    """An optional fast form (``weighted_clipped_sum``, ``factors``) is used only with the rule
+    field it was written for: a rule derived from Linear's with its own ``clipped_sum`` or
+    ``norm_sq`` does not inherit Linear's, while a rule keeping them (DP recurrent layers'
+    ``RNNLinear``) does."""
+    from dataclasses import replace
+
+    from dptorch.grad_sample.dp_rnn import RNN_LINEAR_RULE
+    from dptorch.grad_sample.registry import derived
+
+    def mine(layer, activations, backprops):
+        return {}
+
+    rule = linear_rule.LINEAR_RULE
+    assert derived(rule, "weighted_clipped_sum") is rule.weighted_clipped_sum is not None
+    assert derived(rule, "factors") is rule.factors is not None
+    assert derived(replace(rule, clipped_sum=mine), "weighted_clipped_sum") is None
+    assert derived(replace(rule, clipped_sum=mine), "factors") is rule.factors
+    assert derived(replace(rule, norm_sq=mine), "factors") is None
+    assert derived(RNN_LINEAR_RULE, "weighted_clipped_sum") is rule.weighted_clipped_sum
+    assert derived(None, "factors") is None
