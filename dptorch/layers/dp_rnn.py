@@ -479,12 +479,13 @@ class _LSTMValues:
 
     ``out`` ``(B, T, H)``: the state after each step; ``hprev`` ``(B, T, H)``: the state each
     step reads (``h_{t-1}``; both contiguous, as the layer calls and outputs want them);
-    ``pre`` ``(B, T, 4H)``: the gate pre-activations, then
-    ``W_hh h_{t-1} + b_hh``; ``gates`` ``(B, T, 4, H)``: the activated gates ``i, f, g, o``, then
-    (backward) the pre-activation gradients. Time-major, for the backward loop: ``cs``
-    ``(T + 1, B, H)`` (every cell state, ordered as ``hs``), ``tanh(c)`` ``(T, B, H)`` and the
-    step mask ``(T, B, 1)``. Also the final state and ``w_hh`` (detached). Buffers are reused in
-    place: every allocation of this size costs page faults on a CPU.
+    ``pre`` ``(B, T, 4H)``: the gate pre-activations, then ``W_hh h_{t-1} + b_hh``; ``gates``
+    ``(B, T, 4, H)``: the activated gates ``i, f, g, o``, then (first backward) the factors of the
+    backward loop. Time-major, for the backward loop: ``cs`` ``(T + 1, B, H)`` (every cell state
+    in time order, ``c0`` first for the forward direction and last for the reverse one),
+    ``tanh(c)`` ``(T, B, H)`` and the step mask ``(T, B, 1)``. Also the final state and ``w_hh``
+    (detached). Buffers are reused in place: every fresh allocation of this size costs page
+    faults on a CPU.
     """
 
     out: torch.Tensor
