@@ -465,9 +465,7 @@ class GradSampleModule(AbstractGradSampleModule):
             batch_first=batch_first,
             activations=_forward_input,
         )
-        scale = 1.0
-        if loss_reduction == "mean":
-            scale = float(getattr(module, "max_batch_len", None) or backprops.shape[0])
+        scale = _mean_scale(module, backprops) if loss_reduction == "mean" else 1.0
         self._queue_end_of_backward()
         n = self._check_rows(module, backprops.shape[0])
         activations, backprops = _in_parameter_precision(module, activations, backprops)
@@ -560,8 +558,7 @@ class GradSampleModule(AbstractGradSampleModule):
                 for a in activations
             ]
         if loss_reduction == "mean":
-            n = getattr(module, "max_batch_len", None) or backprops.shape[0]
-            backprops = backprops * n
+            backprops = backprops * _mean_scale(module, backprops)
         return activations, backprops
 
     def _accumulate_current(self, p: nn.Parameter, gs: torch.Tensor, max_batch_len: int) -> None:
@@ -819,6 +816,13 @@ def _kwargs_to_positional(module: nn.Module, args: list, kwargs: dict) -> tuple[
         return args, kwargs
     bound.apply_defaults()
     return list(bound.args), dict(bound.kwargs)
+
+
+def _mean_scale(module: nn.Module, backprops: torch.Tensor) -> float:
+    """``B``, the factor that undoes a mean loss's ``1/B`` for batch-first ``backprops``:
+    ``module.max_batch_len`` when the layer sets it (recurrent layers fed shrinking batches),
+    else the batch size of ``backprops``."""
+    return float(getattr(module, "max_batch_len", None) or backprops.shape[0])
 
 
 def _in_parameter_precision(module: nn.Module, activations: list, backprops: torch.Tensor):

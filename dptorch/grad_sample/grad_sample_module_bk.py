@@ -37,7 +37,7 @@ from torch import nn
 
 from .functorch import module_batch_first
 from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
-from .norm_samplers import generic_clipped_sum
+from .norm_samplers import generic_clipped_sum, rows_scaled
 from .registry import derived, input_grad_only_forward, prefer_ghost, rule_for
 
 logger = logging.getLogger(__name__)
@@ -256,12 +256,12 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             if weighted is not None:
                 res = weighted(module, activations, backprops, c)
             elif fn is not None:
-                res = fn(module, activations, _rows_scaled(backprops, c))
+                res = fn(module, activations, rows_scaled(backprops, c))
             else:
                 self._in_functorch = True
                 try:
                     res = generic_clipped_sum(
-                        module, activations, _rows_scaled(backprops, c), kwargs,
+                        module, activations, rows_scaled(backprops, c), kwargs,
                         batch_first=module_batch_first(module, self.batch_first),
                         params=self._sampled.get(id(module)),
                     )
@@ -271,11 +271,6 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 if p in res:
                     out[p] = res[p]
         return out
-
-
-def _rows_scaled(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``t`` ``(B, ...)`` with row ``b`` multiplied by ``c_b``."""
-    return t * c.view(-1, *([1] * (t.dim() - 1)))
 
 
 class GradSampleHooksBookKeeping(GradSampleModuleBookKeeping):

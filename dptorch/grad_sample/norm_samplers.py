@@ -93,14 +93,19 @@ def positions(x: torch.Tensor, first: int = 1, last: int = -1) -> int:
     return t
 
 
+def rows_scaled(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(B, ...)`` with row ``b`` multiplied by ``c_b`` (``c``: ``(B,)``)."""
+    return t * c.view(-1, *([1] * (t.dim() - 1)))
+
+
 def clip_weighted_pair(
     a: torch.Tensor, g: torch.Tensor, c: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A, G)`` ``(B, T, ·)`` with the clip factors ``c`` ``(B,)`` applied to the rows of the
     smaller of the two: either way ``Σ_{b,t} (c_b g_{bt}) a_{bt}ᵀ`` is one matmul of the pair."""
     if a.numel() < g.numel():
-        return a * c.view(-1, 1, 1), g
-    return a, g * c.view(-1, 1, 1)
+        return rows_scaled(a, c), g
+    return a, rows_scaled(g, c)
 
 
 def instantiated_norm_sq(grad_sampler):

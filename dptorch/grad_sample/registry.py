@@ -88,63 +88,12 @@ class LayerRule:
         return all(getattr(self, f) is None for f in RULE_FIELDS)
 
 
-class _VersionedDict(dict):
-    """A dict that counts its modifications (``version``), so that lookups derived from it can
-    be cached and dropped when it changes."""
-
-    version = 0
-
-    def _bump(self) -> None:
-        self.version += 1
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        self._bump()
-
-    def __delitem__(self, key) -> None:
-        super().__delitem__(key)
-        self._bump()
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
-
-    def pop(self, *args):
-        try:
-            return super().pop(*args)
-        finally:
-            self._bump()
-
-    def popitem(self):
-        try:
-            return super().popitem()
-        finally:
-            self._bump()
-
-    def clear(self) -> None:
-        super().clear()
-        self._bump()
-
-    def update(self, *args, **kwargs) -> None:
-        super().update(*args, **kwargs)
-        self._bump()
-
-    def setdefault(self, key, default=None):
-        try:
-            return super().setdefault(key, default)
-        finally:
-            self._bump()
-
-
 #: layer type -> its rule. Lookup is by exact type (a subclass needs its own rule); a key may
 #: also be a type's qualified name ``"package.module.Class"``, for a layer of an optional
 #: dependency that dptorch must not import (Hugging Face's ``Conv1D``). The one exception is
 #: the class ``fully_shard`` generates for a layer (``FSDPLinear``, which adds no ``forward``):
 #: it has the rule of the class it wraps (:func:`~dptorch.utils.fsdp_utils.fsdp_original_class`).
-LAYER_RULES: dict[type | str, LayerRule] = _VersionedDict()
-#: ``{type: rule_for_type(type)}`` at ``LAYER_RULES.version`` ``_rule_cache_version``
-_rule_cache: dict[type, LayerRule | None] = {}
-_rule_cache_version = -1
+LAYER_RULES: dict[type | str, LayerRule] = {}
 
 Target = type | str
 
@@ -213,20 +162,8 @@ def rule_for_type(t: type) -> LayerRule | None:
 
 
 def rule_for(layer: nn.Module) -> LayerRule | None:
-    """The rule of ``type(layer)`` (exact type), or ``None``.
-
-    Called several times per hooked call, so the answer per type is cached until
-    :data:`LAYER_RULES` changes (a rule object edited in place is the cached object itself)."""
-    global _rule_cache_version
-    t = type(layer)
-    if _rule_cache_version != LAYER_RULES.version:
-        _rule_cache.clear()
-        _rule_cache_version = LAYER_RULES.version
-    try:
-        return _rule_cache[t]
-    except KeyError:
-        rule = _rule_cache[t] = rule_for_type(t)
-        return rule
+    """The rule of ``type(layer)`` (exact type), or ``None``."""
+    return rule_for_type(type(layer))
 
 
 def prefer_ghost(layer: nn.Module, activations: Sequence, backprops: torch.Tensor) -> bool:

@@ -427,7 +427,7 @@ class DPOptimizer(_MultiPassDispatch):
         """Divides ``p.grad`` by ``expected_batch_size × accumulated_iterations`` for "mean"."""
         if self.loss_reduction == "mean":
             denom = self.expected_batch_size * self.accumulated_iterations
-            grads = [p.grad for p in self.params if p.grad is not None]
+            grads = [p.grad for p in self.params]
             if grads:
                 torch._foreach_div_(grads, denom)
 
