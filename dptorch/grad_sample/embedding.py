@@ -196,6 +196,24 @@ def compute_embedding_norm_sample(
     return sample_norms(compute_embedding_norm_sq_sample(layer, activations, backprops))
 
 
+def _pair_groups(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups equal ``keys`` with shapes fixed by ``N`` alone (no host sync, so a CUDA graph can
+    capture it; ``torch.unique`` must read its output size back).
+
+    Args:
+        keys: ``(N,)`` integers.
+
+    Returns ``(group (N,), counts (N,))``: entry ``j`` is in group ``group[j]`` of ``0 .. U-1``
+    (``U`` distinct keys, in sorted order); ``counts[g]`` is the size of group ``g``, 0 for
+    ``g >= U``."""
+    sorted_keys, order = keys.sort()
+    new = torch.ones_like(sorted_keys, dtype=torch.bool)
+    new[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    group = torch.empty_like(order).scatter_(0, order, new.cumsum(0) - 1)
+    counts = torch.zeros_like(order).index_add_(0, group, torch.ones_like(order))
+    return group, counts
+
+
 def _grouped_row_sums(
     sample_of: torch.Tensor,
     ids: torch.Tensor,
@@ -205,27 +223,28 @@ def _grouped_row_sums(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums ``values`` over equal ``(sample, id)`` pairs without a ``V``-sized buffer.
 
-    Returns ``(row_sums (U, d), sample_of_row (U,))`` over the ``U`` distinct pairs; with
-    ``scale_grad_by_freq`` each row is divided by its number of entries (per-sample frequency,
-    the convention of the Embedding grad sampler)."""
+    Returns ``(row_sums (N, d), sample_of_row (N,))``: one row per distinct pair, then zero rows
+    up to ``N`` (static shapes); with ``scale_grad_by_freq`` each row is divided by its number
+    of entries (per-sample frequency, the convention of the Embedding grad sampler)."""
     keys = sample_of * num_embeddings + ids
-    uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-    rows = values.new_zeros((uniq.numel(), values.shape[-1])).index_add_(0, inverse, values)
+    group, counts = _pair_groups(keys)
+    rows = values.new_zeros(values.shape).index_add_(0, group, values)
     if scale_grad_by_freq:
-        rows = rows / counts.to(rows.dtype)[:, None]
-    return rows, torch.div(uniq, num_embeddings, rounding_mode="floor")
+        rows = rows / counts.clamp(min=1).to(rows.dtype)[:, None]
+    row_keys = torch.zeros_like(keys).scatter_(0, group, keys)  # a group's entries share a key
+    return rows, torch.div(row_keys, num_embeddings, rounding_mode="floor")
 
 
 def _embedding_entries(layer: nn.Embedding, ids: torch.Tensor, backprops: torch.Tensor):
-    """``(sample_of, ids, values)`` of every non-padding lookup, flattened."""
+    """``(sample_of, ids, values)`` of every lookup, flattened; a ``padding_idx`` lookup's value
+    is 0 (kept, not dropped: static shapes)."""
     b = backprops.shape[0]
     ids = ids.reshape(b, positions(ids, 1, 0))
     sample_of = torch.arange(b, device=ids.device).repeat_interleave(ids.shape[1])
     ids = ids.reshape(-1)
     values = backprops.reshape(-1, layer.embedding_dim)
     if layer.padding_idx is not None:
-        keep = ids != layer.padding_idx
-        sample_of, ids, values = sample_of[keep], ids[keep], values[keep]
+        values = torch.where((ids != layer.padding_idx)[:, None], values, 0.0)
     return sample_of, ids, values
 
 
@@ -259,9 +278,8 @@ def embedding_clipped_sum(
         return {}
     sample_of, ids, values = _embedding_entries(layer, activations[0], backprops)
     if layer.scale_grad_by_freq:
-        keys = sample_of * layer.num_embeddings + ids
-        _, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
-        values = values / counts.to(values.dtype)[inverse][:, None]
+        group, counts = _pair_groups(sample_of * layer.num_embeddings + ids)
+        values = values / counts.to(values.dtype)[group][:, None]
     grad = values.new_zeros(layer.weight.shape).index_add_(0, ids, values)
     return {layer.weight: grad}
 
@@ -278,11 +296,11 @@ def embedding_factors(
     ids = activations[0].reshape(b, -1)
     values = backprops.reshape(b, ids.shape[1], layer.embedding_dim)
     if layer.padding_idx is not None:
-        values = values * (ids != layer.padding_idx).unsqueeze(-1).to(values.dtype)
+        values = torch.where((ids != layer.padding_idx).unsqueeze(-1), values, 0.0)
     if layer.scale_grad_by_freq:
         sample_of = torch.arange(b, device=ids.device)[:, None] * layer.num_embeddings
-        _, inverse, counts = torch.unique(sample_of + ids, return_inverse=True, return_counts=True)
-        values = values / counts.to(values.dtype)[inverse].unsqueeze(-1)
+        group, counts = _pair_groups((sample_of + ids).reshape(-1))
+        values = values / counts.to(values.dtype)[group].view(ids.shape).unsqueeze(-1)
     return {layer.weight: Factors(v=values, ids=ids)}
 
 
