@@ -8,6 +8,8 @@ far that goes, for each workload of ``bench_gpu.py`` (bk mode, fixed-shape batch
 * ``graph``: replay of the captured DP step (zero_grad excluded: a replay rewrites every
   gradient) over replay of the captured non-private step, median of alternated repeats;
 * ``eager``: the same two steps run eagerly in the same process, for comparison;
+* ``api``: the same DP step through :func:`dptorch.graphed_step.make_graphed_dp_step` (its
+  checks before every replay included) over the captured non-private step;
 * ``exact``: with σ = 0 and dropout off, the parameters after one replay against one eager DP step from the same
   weights (max |difference| over max |update|);
 * ``fresh_noise``: with σ = 1, two replays from the same weights must draw different noise, of
@@ -135,6 +137,23 @@ def run(workload: str, precision: str, device: str, batch: int, repeats: int) ->
     np_replay = _capture(np_body, np_zero, device)
     dp_replay = _capture(dp_body, dp_zero, device)
     out["graph"] = _alternate(np_replay, dp_replay, sync, repeats)
+    if device == "cuda":
+        from dptorch.graphed_step import make_graphed_dp_step
+
+        amp = (torch.autocast(device_type=device, dtype=torch.bfloat16) if precision == "bf16"
+               else contextlib.nullcontext())
+        dp_loss, data = pair[1][2], pair[2]
+
+        def loss_fn(d):
+            with amp:
+                return dp_loss(gsm, d)
+
+        step = make_graphed_dp_step(gsm, opt, loss_fn, warmup_steps=1)
+        step(data)
+        out["api"] = _alternate(np_replay, lambda: step(data), sync, repeats)
+        out["api"]["captures"] = step.captures
+        # the same graph without the checks before each replay: what they cost on the host
+        out["api_graph_only"] = _alternate(np_replay, step._graph.replay, sync, repeats)
     # two replays from the same weights draw different noise, of std lr·σ·C/B per coordinate
     _restore(gsm, p0)
     dp_replay()

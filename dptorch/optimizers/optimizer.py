@@ -14,7 +14,8 @@ in multi-pass mode). Internally everything is viewed as ``(P, B, *p.shape)``; a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -206,6 +207,7 @@ class DPOptimizer(_MultiPassDispatch):
         self.step_hooks: list[Callable[[DPOptimizer], None]] = []
         self._step_skip_queue: list[bool] = []
         self._is_last_step_skipped = False
+        self._step_hooks_deferred = False
         self._summed_bound: float | tuple[float, ...] | None = None  # C of the pending sum
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
@@ -492,10 +494,31 @@ class DPOptimizer(_MultiPassDispatch):
         self.scale_grad()
         for rec in self.records:
             rec.mark_released()
-        for hook in tuple(self.step_hooks):
-            hook(self)
+        if not self._step_hooks_deferred:
+            self.run_step_hooks()
         self._is_last_step_skipped = False
         return True
+
+    def run_step_hooks(self) -> None:
+        """Runs the step hooks (the accountant's first), as every real step does."""
+        for hook in tuple(self.step_hooks):
+            hook(self)
+
+    @contextmanager
+    def deferred_step_hooks(self) -> Iterator[None]:
+        """Inside, a real step runs no step hook: for a caller that executes the step later
+        (a CUDA graph captures it, :mod:`dptorch.graphed_step`) and then calls
+        :meth:`run_step_hooks` once per execution."""
+        self._step_hooks_deferred = True
+        try:
+            yield
+        finally:
+            self._step_hooks_deferred = False
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``step()`` only clipped and accumulated (``signal_skip_step``)."""
+        return self._is_last_step_skipped
 
     def _check_frozen_grads(self) -> None:
         """The wrapped optimizer updates every parameter of its groups that has a ``.grad``, but

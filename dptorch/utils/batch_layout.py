@@ -60,6 +60,15 @@ class BatchLayout:
         g = self.groups[self.groups >= 0]
         return g.numel() == self.num_groups and (g.numel() == 0 or int(g.bincount().max()) == 1)
 
+    def held_in(self, valid: torch.Tensor) -> BatchLayout:
+        """This layout with its padding mask kept in ``valid``, a ``(B,)`` bool tensor (on the
+        GPU, a buffer that a captured CUDA graph reads at every replay): :attr:`valid` is copied
+        into it, and the returned layout's :attr:`valid` is ``valid`` itself."""
+        valid.copy_(self.valid)
+        out = BatchLayout(self.groups, self.num_groups)
+        out.__dict__["valid"] = valid  # the cached property's value
+        return out
+
     def check_rows(self, n: int, where: str) -> None:
         """Raises ``ValueError`` unless the batch seen by ``where`` has this layout's rows."""
         if n != self.num_rows:

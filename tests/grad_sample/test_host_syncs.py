@@ -32,6 +32,7 @@ _SYNC_OPS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique
              "masked_select", "equal", "is_nonzero", "masked_scatter"}
 _DPTORCH = str(Path(__file__).parents[2] / "dptorch")
 _TRACE = f"{_DPTORCH}/grad_sample/use_trace.py"  # passes the model's own torch calls through
+_TORCH = f"{Path(torch.__file__).parent}/"
 
 
 class HostSyncs(TorchDispatchMode):
@@ -52,8 +53,7 @@ class HostSyncs(TorchDispatchMode):
                 args[1], torch.Tensor) and "output_size" not in kwargs
         if sync:  # whose op: the innermost frame of dptorch or the model's own code
             frames = [f for f in traceback.extract_stack()
-                      if f.filename != _TRACE and ("/torch/" not in f.filename
-                                                   or f.filename.startswith(_DPTORCH))]
+                      if f.filename != _TRACE and not f.filename.startswith(_TORCH)]
             frame = frames[-2] if len(frames) > 1 else None  # [-1]: this method
             if frame is not None and frame.filename.startswith(_DPTORCH):
                 self.found.append((name, f"{frame.filename}:{frame.lineno}"))
