@@ -48,6 +48,31 @@ def interleaved_medians(
     return [statistics.median(ts) for ts in times]
 
 
+def paired_ratios(
+    f_np: Callable[[], object], f_dp: Callable[[], object], repeats: int,
+    sync: Callable[[], object] = lambda: None,
+) -> dict:
+    """Times ``f_np`` then ``f_dp``, ``repeats`` times, each between ``sync()`` calls (a GPU's
+    ``torch.cuda.synchronize``); returns their median times ``np_ms``/``dp_ms`` and the median
+    ``ratio`` of each DP time to the non-private time just before it, with its quartiles."""
+    r, t_np, t_dp = [], [], []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        f_np()
+        sync()
+        t1 = time.perf_counter()
+        f_dp()
+        sync()
+        t2 = time.perf_counter()
+        t_np.append(t1 - t0)
+        t_dp.append(t2 - t1)
+        r.append((t2 - t1) / (t1 - t0))
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+    return {"np_ms": 1e3 * statistics.median(t_np), "dp_ms": 1e3 * statistics.median(t_dp),
+            "ratio": statistics.median(r), "q1": q[0], "q3": q[2]}
+
+
 def emit(result: dict) -> None:
     """Worker side: prints ``result`` for :func:`run_worker`."""
     print(_RESULT + json.dumps(result), flush=True)

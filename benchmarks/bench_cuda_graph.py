@@ -32,11 +32,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
-import time
 
 import torch
+from _timing import paired_ratios
 
 WORKLOADS = ["gpt2", "bert", "gpt2s", "transformer32", "convnet256", "mlp256"]
 
@@ -83,25 +82,6 @@ def _steps(pair, data, precision: str, device: str):
             dp_body, lambda: opt.zero_grad(set_to_none=True), gsm, opt)
 
 
-def _alternate(f_np, f_dp, sync, repeats: int):
-    r, t_np, t_dp = [], [], []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        f_np()
-        sync()
-        t1 = time.perf_counter()
-        f_dp()
-        sync()
-        t2 = time.perf_counter()
-        t_np.append(t1 - t0)
-        t_dp.append(t2 - t1)
-        r.append((t2 - t1) / (t1 - t0))
-    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
-    return {"np_ms": 1e3 * statistics.median(t_np), "dp_ms": 1e3 * statistics.median(t_dp),
-            "ratio": statistics.median(r), "q1": q[0], "q3": q[2]}
-
-
 def _params(m):
     return [p.detach().clone() for p in m.parameters()]
 
@@ -132,11 +112,11 @@ def run(workload: str, precision: str, device: str, batch: int, repeats: int) ->
     for _ in range(3):
         eager_np()
         eager_dp()
-    out["eager"] = _alternate(eager_np, eager_dp, sync, max(repeats // 2, 5))
+    out["eager"] = paired_ratios(eager_np, eager_dp, max(repeats // 2, 5), sync)
     p0 = _params(gsm)
     np_replay = _capture(np_body, np_zero, device)
     dp_replay = _capture(dp_body, dp_zero, device)
-    out["graph"] = _alternate(np_replay, dp_replay, sync, repeats)
+    out["graph"] = paired_ratios(np_replay, dp_replay, repeats, sync)
     if device == "cuda":
         from dptorch.graphed_step import make_graphed_dp_step
 
@@ -150,10 +130,10 @@ def run(workload: str, precision: str, device: str, batch: int, repeats: int) ->
 
         step = make_graphed_dp_step(gsm, opt, loss_fn, warmup_steps=1)
         step(data)
-        out["api"] = _alternate(np_replay, lambda: step(data), sync, repeats)
+        out["api"] = paired_ratios(np_replay, lambda: step(data), repeats, sync)
         out["api"]["captures"] = step.captures
         # the same graph without the checks before each replay: what they cost on the host
-        out["api_graph_only"] = _alternate(np_replay, step._graph.replay, sync, repeats)
+        out["api_graph_only"] = paired_ratios(np_replay, step._graph.replay, repeats, sync)
     # two replays from the same weights draw different noise, of std lr·σ·C/B per coordinate
     _restore(gsm, p0)
     dp_replay()

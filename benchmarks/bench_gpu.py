@@ -24,12 +24,11 @@ import argparse
 import contextlib
 import copy
 import json
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from _timing import paired_ratios
 
 WORKLOADS = ["convnet64", "convnet256", "mlp256", "transformer32", "lstm64", "gpt2", "bert",
              "gpt2s"]
@@ -160,23 +159,8 @@ def timed_steps(pair, data, precision: str, device: str, repeats: int, warmup: i
         np_step()
         dp_step()
     m_np, m_dp = peak(np_step), peak(dp_step)
-    t_np, t_dp = [], []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        np_step()
-        sync()
-        t1 = time.perf_counter()
-        dp_step()
-        sync()
-        t2 = time.perf_counter()
-        t_np.append(t1 - t0)
-        t_dp.append(t2 - t1)
-    r = sorted(d / n for d, n in zip(t_dp, t_np))
-    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
-    return {"t_np_ms": 1e3 * statistics.median(t_np), "t_dp_ms": 1e3 * statistics.median(t_dp),
-            "ratio": statistics.median(r), "q1": q[0], "q3": q[2],
-            "mem_np_mb": m_np / 2**20, "mem_dp_mb": m_dp / 2**20,
+    res = paired_ratios(np_step, dp_step, repeats, sync)
+    return {**res, "mem_np_mb": m_np / 2**20, "mem_dp_mb": m_dp / 2**20,
             "mem_ratio": (m_dp / m_np) if m_np else None}, dp_step
 
 

@@ -115,9 +115,9 @@ def _step(model, mode, inputs, target, criterion, layout_steps=2):
     return watch.found
 
 
-@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("mode", ["bk", "ghost", "hooks", "functorch"])
 @pytest.mark.parametrize("case", ["mlp", "conv", "text"])
-def test_fast_clipping_step_has_no_host_sync(case, mode):
+def test_dp_step_has_no_host_sync(case, mode):
     build, inputs, target, criterion = _cases()[case]
     torch.manual_seed(0)
     assert _step(build(), mode, inputs, target, criterion) == []
