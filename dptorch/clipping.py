@@ -144,7 +144,7 @@ class ClippingContract:
     def layout(self, rows: int, where: str) -> BatchLayout | None:
         """The current batch's layout (``None``: every row is one unit), checked to have
         ``rows`` rows."""
-        layout = self.layouts.current
+        layout = self.layouts.training_layout()
         if layout is not None:
             layout.check_rows(rows, where)
         return layout

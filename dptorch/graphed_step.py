@@ -10,10 +10,11 @@ Privacy by construction:
 
 * **Nothing stale.** A graph replays what Python decided at capture: the clipping bound(s), σ,
   the expected batch size, the learning rate and every optimizer hyper-parameter, which
-  parameters train, the modules' training flags, the storages of parameters and optimizer
-  state, and the batch's shapes. Before every replay all of them are compared with their values
-  at capture (:func:`step_signature`); when any differs, the step is captured again, where
-  every eager check runs again (a parameter unfrozen after wrapping, a changed C, ...).
+  parameters train, the modules' training flags, the storages of parameters, buffers and
+  optimizer state, and the batch's shapes. Before every replay all of them are compared with
+  their values at capture (:func:`step_signature`); when any differs, the step is captured
+  again, where every eager check runs again (a parameter unfrozen after wrapping, a changed C,
+  ...).
 * **Accounting per executed step.** The optimizer's step hooks (the accountant's first) run once
   per eager step and once per replay, never at capture, and always with the σ and batch size the
   graph was captured with (the signature guarantees it).
@@ -22,10 +23,17 @@ Privacy by construction:
 * **Padding rows.** With ``poisson_sampling="fixed_shape"`` the padding rows of each batch reach
   the graph through a static device mask, refilled from the batch's layout before each replay.
 
-Refused with ``ValueError``: a module not on CUDA, ``secure_mode`` (its noise comes from the
-host's CSPRNG), a noise ``generator`` of the user's (the graph would advance only the default
-one), distributed, adaptive-clipping and multi-pass optimizers, and user-level batches (several
-rows per unit).
+Refused with ``ValueError``: a module or batch tensor not on CUDA, ``secure_mode`` (its noise
+comes from the host's CSPRNG), a noise ``generator`` of the user's (the graph would advance only
+the default one), distributed, adaptive-clipping and multi-pass optimizers, user-level batches
+(several rows per unit), and skipped steps (``signal_skip_step``, ``BatchMemoryManager``
+splitting a logical batch: a replay is always one whole step). Skip requests and layouts are checked at every
+step, the rest again at every capture (a ``generator`` or ``secure_mode`` set later included).
+
+Between replays Python does not run the step, so the optimizer's Python-side results (``p.grad``,
+``p.grad_sample``, ``p.summed_grad``) are the tensors the captured step left, refilled by each
+replay; they are put back before each replay (a ``zero_grad()`` of the user's between steps
+drops them, and the accountant's hook reads them).
 """
 
 from __future__ import annotations
@@ -70,8 +78,10 @@ def step_signature(
 ) -> tuple:
     """Everything a captured DP step bakes in, as one comparable value: the clipping bound(s),
     σ, the expected batch size, the loss reduction, every param group's hyper-parameters and
-    parameters, the optimizer state's storages, each module's ``training`` flag, children and
-    parameters (identity, ``requires_grad``, storage), and the per-sample hooks' switches.
+    parameters (identity, ``requires_grad``, storage; the DP optimizer's groups and the wrapped
+    optimizer's), the optimizer state's storages, each module's ``training`` flag, children,
+    parameters (identity, ``requires_grad``, storage) and buffers (storage), and the per-sample
+    hooks' switches.
 
     ``modules``: ``list(module.modules())`` as it was when last computed (a caller's cache; a
     module added, removed or replaced anywhere changes some module's children, so the
@@ -80,11 +90,12 @@ def step_signature(
     tree = tuple(
         (m.training, tuple(map(id, m._modules.values())),
          tuple((id(p), p.requires_grad, p.data_ptr()) for p in m._parameters.values()
-               if p is not None))
+               if p is not None),
+         tuple((k, _frozen(b)) for k, b in m._buffers.items()))
         for m in mods
     )
     groups = tuple(
-        (tuple(map(id, g["params"])),
+        (tuple((id(p), p.requires_grad, p.data_ptr()) for p in g["params"]),
          tuple((k, _frozen(v)) for k, v in sorted(g.items()) if k != "params"))
         for g in optimizer.param_groups
     )
@@ -122,13 +133,31 @@ def _check_supported(module: nn.Module, optimizer: DPOptimizer) -> None:
             "torch's default CUDA generator between replays. Seed that one "
             "(torch.cuda.manual_seed) and build the optimizer without generator."
         )
+    _check_device(module)
+
+
+def _check_device(module: nn.Module) -> None:
+    where = "make_graphed_dp_step"
     devices = {p.device.type for p in module.parameters()}
     if not torch.cuda.is_available() or devices != {"cuda"}:
+        why = "" if torch.cuda.is_available() else ", and CUDA is not available"
         raise ValueError(
             f"{where}: CUDA graphs need the model on a CUDA device (its parameters are on "
-            f"{sorted(devices) or 'no device'}{'' if torch.cuda.is_available() else ', and CUDA is not available'}). "
-            "Move the model to the GPU before make_private, or train eagerly."
+            f"{sorted(devices) or 'no device'}{why}). Move the model to the GPU before "
+            "make_private, or train eagerly."
         )
+
+
+def _check_batch(leaves: list) -> None:
+    """The batch's tensors must be on the GPU: a CPU tensor is read by the host at capture (a
+    0-dim one becomes a constant of the graph) and would be stale at every replay."""
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.device.type != "cuda":
+            raise ValueError(
+                f"make_graphed_dp_step: a tensor of the batch (shape {tuple(x.shape)}) is on "
+                f"{x.device}; a CUDA graph would keep its value at capture. Move every tensor "
+                "of the batch to the model's GPU before calling the step."
+            )
 
 
 class GraphedDPStep:
@@ -169,6 +198,8 @@ class GraphedDPStep:
         self._warned = False
         self._stream: torch.cuda.Stream | None = None
         self._modules: list[nn.Module] = list(module.modules())
+        #: (p, p.grad, p.grad_sample, p.summed_grad) as the captured step left them
+        self._outputs: list[tuple] = []
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -178,6 +209,7 @@ class GraphedDPStep:
             loss = self._eager(args, kwargs)
             self.calls += 1
             return loss
+        self._check_whole_step()
         key = (step_signature(self.module, self.optimizer, self._modules), spec,
                self._batch_key(leaves), None if layout is None else layout.num_rows)
         captured = key != self._key
@@ -187,15 +219,31 @@ class GraphedDPStep:
             self._capture(leaves, spec, layout)
             self._key = key
         else:
+            self.optimizer.take_skip_request()  # a do_skip=False, consumed as a step does
             for s, x in zip(self._static, (x for x in leaves if isinstance(x, torch.Tensor))):
                 s.copy_(x)
             if layout is not None:
                 self._valid.copy_(layout.valid)
+        for p, grad, grad_sample, summed in self._outputs:
+            p.grad, p.grad_sample, p.summed_grad = grad, grad_sample, summed
         self._graph.replay()
         self.optimizer.run_step_hooks()
         self.calls += 1
         self._note(captured)
         return self._loss.clone()
+
+    def _check_whole_step(self) -> None:
+        """A replay is one whole step: no skip may be requested for it, and no clipped sum of
+        skipped steps may be pending (the graph would read that eager tensor at every
+        replay, releasing it again and again)."""
+        if self.optimizer.last_step_skipped or self.optimizer.skip_requested:
+            raise ValueError(
+                "make_graphed_dp_step: a skipped step is requested or pending (signal_skip_step, "
+                "or BatchMemoryManager splitting a logical batch); a replay cannot skip, and the "
+                "clipped sum of skipped steps would be added again at every replay. Use "
+                "physical batches of the logical size (poisson_sampling='fixed_shape' with "
+                "max_batch_size), or train eagerly."
+            )
 
     def _eager(self, args, kwargs) -> torch.Tensor:
         """One eager DP step on a side stream (as capture wants its warm-up)."""
@@ -214,7 +262,10 @@ class GraphedDPStep:
     def _capture(self, leaves: list, spec, layout) -> None:
         """Captures one step on static copies of ``leaves``; the step hooks are held back (the
         caller runs them after the replay that executes it)."""
-        self._graph = self._loss = None  # free the old graph's memory first
+        self._graph = self._loss = self._key = None  # free the old graph's memory first
+        self._outputs = []
+        _check_supported(self.module, self.optimizer)
+        _check_batch(leaves)
         self._static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = tree_unflatten(self._static, spec)
         self._static = [x for x in self._static if isinstance(x, torch.Tensor)]
@@ -236,6 +287,7 @@ class GraphedDPStep:
                     failure = e
         except Exception as e:
             if failure is None:
+                self._discard()
                 raise RuntimeError(
                     f"make_graphed_dp_step: the DP step of {type(self.module).__name__} could not "
                     f"be captured in a CUDA graph ({type(e).__name__}: {e}). Something in the "
@@ -243,19 +295,28 @@ class GraphedDPStep:
                     "indexing, torch.unique); train eagerly."
                 ) from e
         if failure is not None:
+            self._discard()
             raise failure
         if self.optimizer.last_step_skipped:
+            self._discard()  # its sum was never computed
             raise ValueError(
                 "make_graphed_dp_step: the captured step was skipped (signal_skip_step or "
                 "BatchMemoryManager): a graphed step must be one whole logical step. Use "
                 "batches of the logical size, or train eagerly."
             )
         self._graph, self._loss = graph, loss.detach()
+        self._outputs = [(p, p.grad, getattr(p, "grad_sample", None),
+                          getattr(p, "summed_grad", None)) for p in self.optimizer.params]
         self.captures += 1
+
+    def _discard(self) -> None:
+        """After a failed capture: drops the tensors the step left, which a capture records
+        but never computes."""
+        self.optimizer.discard_step()
 
     def _layout(self):
         """The current batch's layout (fixed-shape padding), checked to be record-level."""
-        layout = self.optimizer.clipping.layouts.current
+        layout = self.optimizer.clipping.layouts.training_layout()
         if layout is not None and not layout.one_row_per_group:
             raise ValueError(
                 "make_graphed_dp_step: user-level batches (privacy_unit='user') sum several rows "
@@ -278,8 +339,8 @@ class GraphedDPStep:
             warnings.warn(
                 f"make_graphed_dp_step captured {sum(self._recent)} of the last {self.WINDOW} "
                 "steps again: something it bakes in (batch shape, C, σ, learning rate, "
-                "trainable parameters, training flags) changes at almost every step, so the "
-                "graph costs more than it saves. Use fixed shapes "
+                "trainable parameters, training flags, a buffer the forward replaces) changes "
+                "at almost every step, so the graph costs more than it saves. Use fixed shapes "
                 "(poisson_sampling='fixed_shape') and change hyper-parameters per epoch, or "
                 "train eagerly.",
                 stacklevel=3,

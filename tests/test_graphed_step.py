@@ -1,13 +1,16 @@
 """make_graphed_dp_step: the captured DP step is the eager one, never stale, always accounted.
 
 The guard (:func:`step_signature`), the refusals, the deferred accountant hook and the static
-padding mask are checked on the CPU. Capture and replay need a GPU: those tests run where CUDA
-is available (the device machine of benchmarks/README) and compare every graphed step with
+padding mask are checked on the CPU, and so is the Python around capture and replay (skip
+requests, failed captures, zero_grad between steps, the mask's refill), with torch.cuda's graph
+API replaced by a stand-in (``fake_cuda``). Capture and replay need a GPU: those tests run where
+CUDA is available (the device machine of benchmarks/README) and compare every graphed step with
 the eager step, float64, after changes of C, σ, the learning rate and trainable parameters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dptorch import PrivacyEngine
+from dptorch import PrivacyEngine, graphed_step
 from dptorch.clipping import ClippingContract
 from dptorch.grad_sample import wrap_model
 from dptorch.graphed_step import make_graphed_dp_step, step_signature
@@ -178,6 +181,198 @@ def test_held_layout_reads_its_buffer_at_use():
     assert contract.flat_factors(norms).tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_deferred_step_hooks_end_with_an_exception():
+    gsm, opt = _dp("bk")
+    seen = []
+    opt.attach_step_hook(lambda o: seen.append(1))
+    with pytest.raises(RuntimeError), opt.deferred_step_hooks():
+        raise RuntimeError("a failed capture")
+    x, y = _batch(0)
+    F.cross_entropy(gsm(x), y).backward()
+    opt.step()
+    assert seen == [1]
+
+
+def test_signature_sees_the_wrapped_optimizers_groups_after_load_state_dict():
+    """A learning rate loaded from a checkpoint (load_state_dict replaces the param_groups
+    list) is a change."""
+    gsm, opt = _dp("bk")
+    base = step_signature(gsm, opt)
+    state = opt.state_dict()
+    state["param_groups"][0]["lr"] = 0.01
+    opt.load_state_dict(state)
+    assert step_signature(gsm, opt) != base
+
+
+def test_signature_sees_buffers_and_parameters_outside_the_module():
+    gsm, opt = _dp("bk")
+    extra = nn.Parameter(torch.zeros(2, dtype=torch.float64), requires_grad=False)
+    opt.add_param_group({"params": [extra]})
+    gsm._module.ln.register_buffer("scale", torch.ones(D, dtype=torch.float64))
+    base = step_signature(gsm, opt)
+    extra.requires_grad_(True)
+    assert step_signature(gsm, opt) != base
+    extra.requires_grad_(False)
+    assert step_signature(gsm, opt) == base
+    gsm._module.ln.scale = torch.ones(D, dtype=torch.float64)  # a new storage
+    assert step_signature(gsm, opt) != base
+
+
+def test_batch_tensors_off_the_gpu_are_refused():
+    graphed_step._check_batch([3, "mean", None])
+    with pytest.raises(ValueError, match="on cpu"):
+        graphed_step._check_batch([torch.zeros(2)])
+
+
+# ------------------------------------------- CPU: the Python around capture and replay
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's graph API on the CPU, for the Python that surrounds capture and replay: a
+    "capture" runs the step (a real one only records it, so a captured call here trains once,
+    at capture) and a "replay" runs the callbacks of the returned list (a real one re-runs the
+    recorded kernels, writing into the tensors the capture left)."""
+    on_replay = []
+
+    class Graph:
+        def replay(self):
+            for f in on_replay:
+                f()
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(graphed_step, "_check_device", lambda module: None)
+    monkeypatch.setattr(graphed_step, "_check_batch", lambda leaves: None)
+    return on_replay
+
+
+def _graphed(mode="bk", warmup_steps=1, **kw):
+    gsm, opt = _dp(mode, **kw)
+    events = []
+    opt.attach_step_hook(lambda o: events.append(o.privacy_event(0.1)))
+    step = make_graphed_dp_step(gsm, opt, lambda x, y: F.cross_entropy(gsm(x), y),
+                                warmup_steps=warmup_steps)
+    return gsm, opt, step, events
+
+
+def test_hooks_run_once_per_step_and_never_at_capture(fake_cuda):
+    gsm, opt, step, events = _graphed(warmup_steps=2)
+    for i in range(6):
+        step(*_batch(i))
+        assert len(events) == i + 1
+    assert step.captures == 1 and not opt._step_hooks_deferred
+
+
+def test_a_skip_request_is_refused_and_left_in_place(fake_cuda):
+    """A replay cannot skip (signal_skip_step, BatchMemoryManager): refused, not replayed as a
+    whole step."""
+    gsm, opt, step, events = _graphed()
+    step(*_batch(0))
+    step(*_batch(1))  # captured
+    opt.signal_skip_step(True)
+    with pytest.raises(ValueError, match="skipped step"):
+        step(*_batch(2))
+    assert opt._step_skip_queue == [True] and len(events) == 2
+
+
+def test_a_pending_logical_batch_is_never_captured(fake_cuda):
+    """An eager warm-up step that was skipped leaves its clipped sum in p.summed_grad: a capture
+    would add that tensor to the released gradient at every replay."""
+    gsm, opt, step, events = _graphed()
+    opt.signal_skip_step(True)
+    opt.signal_skip_step(False)
+    step(*_batch(0))  # eager, skipped: only clipped and summed
+    assert opt.last_step_skipped
+    with pytest.raises(ValueError, match="skipped step"):
+        step(*_batch(1))
+    assert step.captures == 0 and events == []
+
+
+def test_replays_consume_do_not_skip_signals(fake_cuda):
+    gsm, opt, step, events = _graphed()
+    for i in range(4):
+        opt.signal_skip_step(False)  # a logical batch of one physical batch
+        step(*_batch(i))
+    assert opt._step_skip_queue == [] and len(events) == 4 and step.captures == 1
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_zero_grad_between_graphed_steps_keeps_the_accounting(fake_cuda, set_to_none):
+    """A user's zero_grad() between graphed steps drops p.grad_sample; the replay then writes
+    the released gradient into p.grad, and without the captured tensors put back the
+    accountant's hook refused the (already executed) step."""
+    gsm, opt, step, events = _graphed("hooks", sigma=1.0)
+    fake_cuda.append(lambda: [p.grad.fill_(1.0) for p in opt.params if p.grad is not None])
+    for i in range(4):
+        opt.zero_grad(set_to_none=set_to_none)
+        step(*_batch(i))
+    assert len(events) == 4 and all(e == events[0] for e in events)
+    assert all(p.grad is not None and p.grad_sample is not None for p in opt.params)
+
+
+def test_a_failed_capture_is_captured_again(fake_cuda):
+    gsm, opt = _dp("bk")
+    fail = [False]
+
+    def loss_fn(x, y):
+        if fail[0]:
+            raise RuntimeError("boom")
+        return F.cross_entropy(gsm(x), y)
+
+    seen = []
+    opt.attach_step_hook(lambda o: seen.append(1))
+    step = make_graphed_dp_step(gsm, opt, loss_fn, warmup_steps=1)
+    step(*_batch(0))
+    step(*_batch(1))
+    opt.max_grad_norm, fail[0] = 0.3, True
+    with pytest.raises(RuntimeError, match="boom"):
+        step(*_batch(2))
+    assert all(p.grad is None for p in opt.params)  # nothing a capture never computed is kept
+    opt.max_grad_norm, fail[0] = 0.7, False  # the key of the first capture again
+    step(*_batch(3))
+    assert step.captures == 2 and len(seen) == 3 and not opt._step_hooks_deferred
+
+
+@pytest.mark.parametrize("what", ["generator", "secure_mode"])
+def test_noise_source_changed_after_wrapping_is_refused_at_capture(fake_cuda, what):
+    gsm, opt, step, events = _graphed(sigma=1.0)
+    step(*_batch(0))
+    step(*_batch(1))
+    setattr(opt, what, torch.Generator() if what == "generator" else True)
+    with pytest.raises(ValueError, match=what):
+        step(*_batch(2))
+    assert len(events) == 2
+
+
+def test_padding_mask_follows_each_batch_layout(fake_cuda):
+    """The loader activates a layout per batch: the capture installs the static mask, each
+    replay refills it; a batch without layout is captured again; a user-level one refused."""
+    gsm, opt, step, events = _graphed()
+    layouts = opt.clipping.layouts
+    layouts.current = BatchLayout.records(5, 8)
+    step(*_batch(0))
+    layouts.current = BatchLayout.records(3, 8)
+    step(*_batch(1))  # captured
+    assert layouts.current.valid is step._valid
+    assert step._valid.tolist() == [True] * 3 + [False] * 5
+    layouts.current = BatchLayout.records(6, 8)
+    step(*_batch(2))  # replayed
+    assert step._valid.tolist() == [True] * 6 + [False] * 2 and step.captures == 1
+    layouts.current = None
+    step(*_batch(3))
+    assert step.captures == 2
+    layouts.current = BatchLayout(torch.tensor([0, 0, 1, 2, 3, 4, 5, -1]), 6)
+    with pytest.raises(ValueError, match="user-level"):
+        step(*_batch(4))
+    assert len(events) == 4
+
+
 # ---------------------------------------------------------------------------------- GPU
 def _loss_fn(mode, gsm, opt):
     if mode != "ghost":
@@ -335,3 +530,18 @@ def test_recapturing_every_step_warns():
             opt.max_grad_norm = 0.5 + 0.01 * i  # a new C at every step: a new capture
             step(x, y)
     assert step.captures == 21
+
+
+@cuda
+def test_zero_grad_between_graphed_steps_cuda():
+    """Not run where this was written (no GPU): the user's zero_grad() between graphed steps,
+    per-sample gradients (hooks): one accounted event per step, the same as eager."""
+    gsm, opt = _dp("hooks", "cuda", sigma=1.0)
+    events = []
+    opt.attach_step_hook(lambda o: events.append(o.privacy_event(0.1)))
+    step = make_graphed_dp_step(gsm, opt, lambda x, y: F.cross_entropy(gsm(x), y),
+                                warmup_steps=1)
+    for i in range(4):
+        opt.zero_grad()
+        step(*_batch(i, "cuda"))
+    assert len(events) == 4 and all(e == events[0] for e in events)

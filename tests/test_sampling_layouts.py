@@ -540,3 +540,39 @@ def test_truncation_over_ranks_is_the_sum_of_the_shards_tails(n, world, m, q):
     assert sum(shards) == n
     expected = sum(binom.sf(rows, s + 1, q) for s in shards)
     assert step_truncation_probability(n, q, m, world) == pytest.approx(expected, rel=1e-12, abs=1e-300)
+
+
+# ----------------------------------------------------------------------------- prefetching
+def _prefetched(loader):
+    """A wrapper that pulls each batch one ahead of training (a CUDA prefetcher's pattern)."""
+    it = iter(loader)
+    ahead = next(it, None)
+    for batch in it:
+        current, ahead = ahead, batch
+        yield current
+    if ahead is not None:
+        yield ahead
+
+
+@pytest.mark.parametrize("sampling", ["fixed_shape", "user"])
+@pytest.mark.parametrize("mode", MODES)
+def test_prefetching_wrapper_is_refused(mode, sampling):
+    """Batch t would be clipped with the layout of batch t + 1 (its padding rows, copies of a
+    real record, counted as records): refused at the first training read, in every mode."""
+    kw = (dict(poisson_sampling="fixed_shape", max_batch_size=20) if sampling == "fixed_shape"
+          else dict(privacy_unit="user", user_id=torch.arange(N) % 20, max_records_per_user=3))
+    _, module, opt, crit, dl = _private(mode, _model(), _data(), **kw)
+    with pytest.raises(ValueError, match="not trained on before it yielded the next"):
+        for x, y in _prefetched(dl):
+            _step(module, opt, crit, x, y)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_reading_batches_without_training_then_training_is_fine(mode):
+    """Only training on a batch other than the last yielded is refused: a pass that only looks
+    at the batches, then a pass that trains, works."""
+    _, module, opt, crit, dl = _private(mode, _model(), _data(), poisson_sampling="fixed_shape",
+                                        max_batch_size=20)
+    assert sum(len(x) for x, _ in dl) > 0
+    for x, y in dl:
+        _step(module, opt, crit, x, y)

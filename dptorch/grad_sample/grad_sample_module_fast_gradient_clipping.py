@@ -356,7 +356,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
 
     def _publish_norms(self, norm_sq: list[tuple[nn.Parameter, torch.Tensor]], b: int | None) -> None:
         total = None
-        layout = self.clipping.layouts.current
+        layout = self.clipping.layouts.training_layout()
         if layout is not None and norm_sq:  # padding rows: norm 0
             valid = layout.valid.to(norm_sq[0][1].device)
             norm_sq = [(p, sq * valid[: sq.shape[0]].to(sq.dtype)) for p, sq in norm_sq]

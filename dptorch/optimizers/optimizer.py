@@ -209,8 +209,6 @@ class DPOptimizer(_MultiPassDispatch):
         self._is_last_step_skipped = False
         self._step_hooks_deferred = False
         self._summed_bound: float | tuple[float, ...] | None = None  # C of the pending sum
-        self.param_groups = optimizer.param_groups
-        self.defaults = optimizer.defaults
         for p in self.params:
             p.summed_grad = None
 
@@ -258,6 +256,26 @@ class DPOptimizer(_MultiPassDispatch):
         return getattr(self.original_optimizer, item)
 
     @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's param groups, read through at every access: its
+        ``load_state_dict`` replaces its list, and a copy taken earlier would then miss groups
+        added later (their parameters would be updated unclipped)."""
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict:
+        """The wrapped optimizer's defaults."""
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict) -> None:
+        self.original_optimizer.defaults = value
+
+    @property
     def state(self) -> dict:
         """The wrapped optimizer's per-parameter state."""
         return self.original_optimizer.state
@@ -275,7 +293,7 @@ class DPOptimizer(_MultiPassDispatch):
         self.original_optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict) -> None:
-        """Adds a param group to the wrapped optimizer (shared ``param_groups`` list)."""
+        """Adds a param group to the wrapped optimizer (whose ``param_groups`` this one reads)."""
         self.original_optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
@@ -437,6 +455,22 @@ class DPOptimizer(_MultiPassDispatch):
         """Asks the next ``step()`` to only clip and accumulate (a physical batch of a logical
         one): no noise, no parameter update, no accounting."""
         self._step_skip_queue.append(do_skip)
+
+    @property
+    def skip_requested(self) -> bool:
+        """Whether the next ``step()`` is asked to skip (:meth:`signal_skip_step`)."""
+        return self._check_skip_next_step(pop_next=False)
+
+    def take_skip_request(self) -> bool:
+        """Consumes the next :meth:`signal_skip_step` request, as ``step()`` does; returns it
+        (``False`` without one)."""
+        return self._check_skip_next_step()
+
+    def discard_step(self) -> None:
+        """Drops every gradient, per-sample gradient and pending clipped sum (a skipped step's
+        included): for a step whose computation never ran (a failed CUDA-graph capture)."""
+        self._is_last_step_skipped = False
+        self.zero_grad(set_to_none=True)
 
     def _check_skip_next_step(self, pop_next: bool = True) -> bool:
         """Whether the next step is to be skipped (``signal_skip_step``); ``pop_next`` consumes

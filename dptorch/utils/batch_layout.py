@@ -155,13 +155,21 @@ class LayoutQueue:
 
     Shared by reference: the batch sampler :meth:`push` es a layout when it draws a batch (the
     DataLoader draws ahead of training when it prefetches), the data loader :meth:`activate` s
-    it when it yields that batch, and the clipping code reads :attr:`current`. ``None``: every
-    row is its own unit and none is padding.
+    it when it yields that batch, and the clipping code reads it with :meth:`training_layout`.
+    ``None``: every row is its own unit and none is padding.
+
+    A layout describes the batch yielded last. A wrapper that pulls batches ahead of training
+    (a prefetcher) would have batch ``t`` clipped with the layout of batch ``t + 1``: padding
+    rows, copies of a real record, would count as records. So a non-empty batch yielded and
+    never trained on before the next one is yielded makes every later training read raise
+    ``ValueError`` until the loader is iterated afresh.
     """
 
     def __init__(self) -> None:
         self._pending: deque[BatchLayout] = deque()
         self.current: BatchLayout | None = None
+        self._trained = True  # the current batch was read for training (or there is none)
+        self._skipped = False  # a non-empty batch was yielded and never trained on
 
     def push(self, layout: BatchLayout) -> None:
         self._pending.append(layout)
@@ -176,12 +184,31 @@ class LayoutQueue:
 
     def activate(self) -> None:
         """The next drawn batch is the one being trained on."""
+        if self.current is not None and not self._trained and self.current.num_rows > 0:
+            self._skipped = True
         self.current = self._pending.popleft() if self._pending else None
+        self._trained = False
+
+    def training_layout(self) -> BatchLayout | None:
+        """:attr:`current`, read to clip the batch being trained on."""
+        if self._skipped:
+            raise ValueError(
+                "The data loader of make_private (poisson_sampling='fixed_shape' or "
+                "privacy_unit='user') yielded a batch that was not trained on before it yielded "
+                "the next one. Its padding rows and users are known only for the batch yielded "
+                "last, so a wrapper that fetches batches ahead of training (a prefetcher, a "
+                "framework's data fetcher) would clip a batch with another batch's layout. "
+                "Train on every batch before drawing the next, from the loader itself, or use "
+                "poisson_sampling=True."
+            )
+        self._trained = True
+        return self.current
 
     def reset(self) -> None:
         """Forgets drawn batches (a new pass over the loader) and the current layout."""
         self._pending.clear()
         self.current = None
+        self._trained, self._skipped = True, False
 
     def __repr__(self) -> str:
         return f"LayoutQueue(current={self.current!r}, pending={len(self._pending)})"
