@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..utils.tensor_utils import unfold_nd
-from .norm_samplers import ParamDict, ghost_is_cheaper, positions, sq_norms, wants_grad
+from .norm_samplers import ParamDict, ghost_is_cheaper, positions, sq_norms, sq_sum, wants_grad
 from .registry import LayerRule, register_layer_rule
 
 
@@ -194,7 +194,7 @@ def compute_conv_norm_sq_sample(
         else:
             ret[layer.weight] = sq_norms(torch.matmul(g, cols.transpose(2, 3)))
     if wants_grad(layer.bias):
-        ret[layer.bias] = g.sum(3).pow(2).sum((1, 2))
+        ret[layer.bias] = sq_sum(g.sum(3), (1, 2))
     return ret
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm_samplers import Factors, ParamDict, positions, sample_norms, wants_grad
+from .norm_samplers import Factors, ParamDict, positions, sample_norms, sq_sum, wants_grad
 from .registry import LayerRule, pairs_with, register_layer_rule
 
 
@@ -266,7 +266,7 @@ def compute_embedding_norm_sq_sample(
     rows, row_sample = _grouped_row_sums(
         sample_of, ids, values, layer.num_embeddings, layer.scale_grad_by_freq
     )
-    out = backprops.new_zeros(b).index_add_(0, row_sample, rows.pow(2).sum(1))
+    out = backprops.new_zeros(b).index_add_(0, row_sample, sq_sum(rows, 1))
     return {layer.weight: out}
 
 
@@ -335,7 +335,7 @@ def compute_embeddingbag_norm_sq_sample(
         bag_of, flat_ids, coef[:, None] * backprops[bag_of], layer.num_embeddings,
         False,
     )
-    out = backprops.new_zeros(b).index_add_(0, row_bag, rows.pow(2).sum(1))
+    out = backprops.new_zeros(b).index_add_(0, row_bag, sq_sum(rows, 1))
     return {layer.weight: out}
 
 class _EmbeddingNoGrad(torch.autograd.Function):

@@ -25,6 +25,7 @@ from .norm_samplers import (
     ghost_is_cheaper,
     positions,
     sq_norms,
+    sq_sum,
     wants_grad,
 )
 from .registry import LayerRule, pairs_with, register_layer_rule
@@ -64,7 +65,7 @@ def compute_conv1d_norm_sq_sample(
         else:
             ret[layer.weight] = sq_norms(torch.bmm(a.transpose(1, 2), g))
     if wants_grad(layer.bias):
-        ret[layer.bias] = g.sum(1).pow(2).sum(1)
+        ret[layer.bias] = sq_sum(g.sum(1), 1)
     return ret
 
 

