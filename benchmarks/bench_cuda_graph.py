@@ -36,6 +36,7 @@ import sys
 
 import torch
 from _timing import paired_ratios
+from bench_gpu import allow_tf32, make_pair
 
 WORKLOADS = ["gpt2", "bert", "gpt2s", "transformer32", "convnet256", "mlp256"]
 
@@ -93,7 +94,6 @@ def _restore(m, saved):
 
 
 def run(workload: str, precision: str, device: str, batch: int, repeats: int) -> dict:
-    from bench_gpu import make_pair
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out: dict = {}
@@ -178,9 +178,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    allow_tf32(args.device)
     results = []
     for w in args.workloads:
         for prec in args.precisions:

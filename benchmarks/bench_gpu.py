@@ -102,6 +102,13 @@ class _Criterion(torch.nn.Module):
                                                       else per.sum())
 
 
+def allow_tf32(device: str) -> None:
+    """TF32 matmuls and convolutions on a CUDA device (the setting of every GPU figure)."""
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 def make_pair(workload: str, mode: str, batch: int, device: str):
     """Non-private and DP step closures of the same model (same initial weights)."""
     from dptorch.grad_sample import wrap_model
@@ -187,9 +194,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--trace", default=None, help="path of the gpt2 bf16 bk kernel table")
     args = ap.parse_args()
-    if args.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    allow_tf32(args.device)
     results = []
     for w in args.workloads:
         for mode in args.modes:

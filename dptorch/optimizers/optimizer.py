@@ -79,6 +79,15 @@ def _draw_flat_noise(
     return out
 
 
+def _wrapped(name: str, doc: str) -> property:
+    """An attribute of the wrapped optimizer, read and written through by the DP optimizer."""
+    return property(
+        lambda self: getattr(self.original_optimizer, name),
+        lambda self, value: setattr(self.original_optimizer, name, value),
+        doc=doc,
+    )
+
+
 def _has_nonzero_grad(p: torch.Tensor) -> bool:
     """Whether ``p.grad`` holds a gradient: ``zero_grad(set_to_none=False)`` leaves zeros on a
     parameter that the next backward pass may not reach, which is no gradient."""
@@ -255,34 +264,12 @@ class DPOptimizer(_MultiPassDispatch):
             raise AttributeError(item)
         return getattr(self.original_optimizer, item)
 
-    @property
-    def param_groups(self) -> list[dict]:
-        """The wrapped optimizer's param groups, read through at every access: its
-        ``load_state_dict`` replaces its list, and a copy taken earlier would then miss groups
-        added later (their parameters would be updated unclipped)."""
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict]) -> None:
-        self.original_optimizer.param_groups = value
-
-    @property
-    def defaults(self) -> dict:
-        """The wrapped optimizer's defaults."""
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict) -> None:
-        self.original_optimizer.defaults = value
-
-    @property
-    def state(self) -> dict:
-        """The wrapped optimizer's per-parameter state."""
-        return self.original_optimizer.state
-
-    @state.setter
-    def state(self, value: dict) -> None:
-        self.original_optimizer.state = value
+    # read and written through at every access, never copied: the wrapped optimizer's
+    # load_state_dict replaces its param_groups list, and a copy taken earlier would miss the
+    # groups added afterwards (their parameters would be updated unclipped)
+    param_groups = _wrapped("param_groups", "The wrapped optimizer's param groups.")
+    defaults = _wrapped("defaults", "The wrapped optimizer's defaults.")
+    state = _wrapped("state", "The wrapped optimizer's per-parameter state.")
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict`` (the DP settings are saved by the engine)."""
