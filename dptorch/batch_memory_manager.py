@@ -158,7 +158,7 @@ class BatchMemoryManager:
         self.max_physical_batch_size = max_physical_batch_size
 
     def __enter__(self) -> DataLoader:
-        self.optimizer._step_skip_queue.clear()
+        self._drop_unfinished()
         return wrap_data_loader(
             data_loader=self.data_loader,
             max_batch_size=self.max_physical_batch_size,
@@ -166,5 +166,13 @@ class BatchMemoryManager:
         )
 
     def __exit__(self, exc_type, exc_value, traceback) -> None:
-        # batches produced but never trained on (early break, prefetching) leave signals behind
+        self._drop_unfinished()
+
+    def _drop_unfinished(self) -> None:
+        """Forgets a logical batch broken off (an early break, an exception): its skip
+        signals, and the clipped sums of its physical steps, which were never released; kept,
+        they would be added to the next logical batch, a different Poisson batch (two records'
+        worth of sensitivity in one step accounted as one)."""
         self.optimizer._step_skip_queue.clear()
+        if self.optimizer.last_step_skipped:
+            self.optimizer.discard_step()

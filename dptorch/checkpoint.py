@@ -20,7 +20,7 @@ from .grad_sample import AbstractGradSampleModule
 from .optimizers import DPOptimizer
 from .optimizers.arguments import is_real_number
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["load_checkpoint", "sampling_context", "save_checkpoint"]
 
 Path = str | os.PathLike | BinaryIO | IO[bytes]
 
@@ -41,11 +41,24 @@ def save_checkpoint(
     module_state_dict_kwargs: dict[str, Any] | None = None,
     torch_save_kwargs: dict[str, Any] | None = None,
     data_loader: DataLoader | None = None,
+    sampling: dict[str, Any] | None = None,
 ) -> None:
     """Saves model, optimizer (with its DP settings), accountant, schedulers and the random
     generator states (global torch RNG, noise generator, ``data_loader``'s sampling) to ``path``,
-    with the entries of ``checkpoint_dict``."""
+    with the entries of ``checkpoint_dict``. ``sampling``: what the accountant's ε also depends
+    on (:func:`sampling_context`), checked when the checkpoint is loaded.
+
+    Refused (``ValueError``) inside a logical batch: the clipped sums of its skipped physical
+    steps are not part of a checkpoint."""
+    if isinstance(optimizer, DPOptimizer) and optimizer.last_step_skipped:
+        raise ValueError(
+            "save_checkpoint inside a logical batch (after a skipped step of BatchMemoryManager "
+            "or signal_skip_step): its pending clipped sums would not be saved. Save after the "
+            "step that completes the logical batch."
+        )
     ckpt = dict(checkpoint_dict or {})
+    if sampling is not None:
+        ckpt["sampling_context"] = sampling
     ckpt["module_state_dict"] = module.state_dict(**(module_state_dict_kwargs or {}))
     ckpt["privacy_accountant_state_dict"] = accountant.state_dict()
     if optimizer is not None:
@@ -73,18 +86,23 @@ def load_checkpoint(
     torch_load_kwargs: dict[str, Any] | None = None,
     data_loader: DataLoader | None = None,
     restore_rng_state: bool = True,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restores what :func:`save_checkpoint` saved into the given objects; returns the remaining
-    entries of the checkpoint (user data). A checkpoint of another clipping kind is refused
-    before anything is loaded. The file is unpickled (``weights_only=False``): trusted files
-    only."""
+    entries of the checkpoint (user data). Refused before anything is loaded: a checkpoint of
+    another clipping kind, of another accountant mechanism, or whose sampling (fixed shape,
+    privacy unit) differs from ``sampling``, the loading engine's. The file is unpickled
+    (``weights_only=False``): trusted files only."""
     load_kwargs = {"weights_only": False, **(torch_load_kwargs or {})}
     if map_location is not None:
         load_kwargs["map_location"] = map_location
     ckpt = torch.load(path, **load_kwargs)
+    # every refusal before anything is loaded
     clip_state = (ckpt.get("dp_optimizer_state") or {}).get("clipping")
     if isinstance(optimizer, DPOptimizer) and clip_state is not None:
-        optimizer.clipping.check_state_dict(clip_state)  # before anything is loaded
+        optimizer.clipping.check_state_dict(clip_state)
+    accountant.check_state_dict(ckpt.get("privacy_accountant_state_dict"))
+    _check_sampling(ckpt.pop("sampling_context", None), sampling)
     state = _match_gsm_prefix(ckpt.pop("module_state_dict"), module)
     module.load_state_dict(state, **(module_load_dict_kwargs or {}))
     accountant.load_state_dict(ckpt.pop("privacy_accountant_state_dict"))
@@ -116,9 +134,7 @@ def load_checkpoint(
     return ckpt
 
 
-def _rng_state(
-    optimizer: DPOptimizer | None, data_loader: DataLoader | None
-) -> dict[str, torch.Tensor]:
+def _rng_state(optimizer: DPOptimizer | None, data_loader: DataLoader | None) -> dict[str, Any]:
     """The states of the global torch RNG, the noise generator and the loader's generators."""
     state = {"torch": torch.get_rng_state()}
     gen = getattr(optimizer, "generator", None)
@@ -127,11 +143,14 @@ def _rng_state(
     if data_loader is not None:
         for key, gen in _loader_generators(data_loader).items():
             state[key] = gen.get_state()
+        sampler = _sampler_epoch(data_loader)
+        if sampler is not None:
+            state["sampler_epoch"] = sampler.epoch
     return state
 
 
 def _load_rng_state(
-    state: dict[str, torch.Tensor], optimizer: DPOptimizer | None, data_loader: DataLoader | None
+    state: dict[str, Any], optimizer: DPOptimizer | None, data_loader: DataLoader | None
 ) -> None:
     """Restores what :func:`_rng_state` saved."""
     if "torch" in state:
@@ -140,6 +159,9 @@ def _load_rng_state(
         for key, gen in _loader_generators(data_loader).items():
             if key in state:
                 gen.set_state(state[key])
+        sampler = _sampler_epoch(data_loader)
+        if sampler is not None and "sampler_epoch" in state:
+            sampler.epoch = int(state["sampler_epoch"])
     # last: the noise generator may also be the sampler's, and was saved after it
     noise_gen = getattr(optimizer, "generator", None)
     if isinstance(noise_gen, torch.Generator) and "noise_generator" in state:
@@ -170,23 +192,72 @@ def _load_dp_settings(optimizer: DPOptimizer, state: dict[str, Any]) -> None:
             optimizer.clipping.max_grad_norms = norms
         elif flat is not None:
             optimizer.clipping.max_grad_norm = flat
+    sigma = state.get("noise_multiplier")
+    if sigma is not None and sigma != optimizer.noise_multiplier:
+        warnings.warn(
+            f"load_checkpoint: the checkpoint's noise_multiplier {sigma:g} replaces this "
+            f"optimizer's {optimizer.noise_multiplier:g} (a schedule's value at the save); "
+            "the accountant counts the steps that follow with it.",
+            stacklevel=4,
+        )
     for k, v in state.items():
         setattr(optimizer, k, v)
 
 
+def _samplers(data_loader: DataLoader) -> list[Any]:
+    return [data_loader.batch_sampler, getattr(data_loader.batch_sampler, "sampler", None),
+            data_loader.sampler]
+
+
 def _loader_generators(data_loader: DataLoader) -> dict[str, torch.Generator]:
-    """The generators whose state determines a loader's future batches."""
+    """The generators whose state determines a loader's future batches: its samplers' (a
+    distributed sampler draws from a ``rank_generator`` seeded once from its ``generator``, so
+    both are saved: restoring only the latter would replay the first run's batches) and its
+    own."""
     out = {}
-    for key, obj in (
-        ("sampler_generator", data_loader.batch_sampler),
-        ("sampler_generator", getattr(data_loader.batch_sampler, "sampler", None)),
-        ("sampler_generator", data_loader.sampler),
-        ("loader_generator", data_loader),
-    ):
-        gen = getattr(obj, "generator", None)
+    for key, obj, attr in [
+        *(("sampler_generator", o, "generator") for o in _samplers(data_loader)),
+        *(("sampler_rank_generator", o, "rank_generator") for o in _samplers(data_loader)),
+        ("loader_generator", data_loader, "generator"),
+    ]:
+        gen = getattr(obj, attr, None)
         if isinstance(gen, torch.Generator) and key not in out:
             out[key] = gen
     return out
+
+
+def _sampler_epoch(data_loader: DataLoader) -> Any:
+    """The first sampler with an ``epoch`` (a distributed sampler's shard permutation)."""
+    return next((o for o in _samplers(data_loader) if isinstance(getattr(o, "epoch", None), int)),
+                None)
+
+
+def sampling_context(plan: Any, num_records: int | None) -> dict[str, Any] | None:
+    """What ε depends on beyond the accountant's events, as plain data: fixed-shape batches
+    (their truncation costs δ, from ``max_batch_size``, the world size and the number of
+    records) and the privacy unit (ε of a record or of a user). ``plan``: a
+    :class:`dptorch.sampling.SamplingPlan` (``None``: not known)."""
+    if plan is None:
+        return None
+    return {"fixed_shape": plan.fixed_shape, "max_batch_size": plan.max_batch_size,
+            "world_size": plan.world_size, "privacy_unit": plan.privacy_unit,
+            "num_records": num_records}
+
+
+def _check_sampling(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> None:
+    if saved is None or current is None:
+        return
+    keys = ["fixed_shape", "privacy_unit"]
+    if saved["fixed_shape"] or current["fixed_shape"]:
+        keys += ["max_batch_size", "world_size", "num_records"]
+    diff = [f"{k}: {saved.get(k)!r} in the checkpoint, {current.get(k)!r} here" for k in keys
+            if saved.get(k) != current.get(k)]
+    if diff:
+        raise ValueError(
+            "The checkpoint's accountant history was spent with other sampling ("
+            + "; ".join(diff) + "): its ε would be computed with this engine's. Resume with "
+            "make_private's sampling arguments of the run that wrote the checkpoint."
+        )
 
 
 def _match_gsm_prefix(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:

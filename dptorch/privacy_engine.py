@@ -371,7 +371,8 @@ class PrivacyEngine:
         if data_loader is None:
             data_loader = self._data_loader
         args = vars(_arguments(locals()))
-        checkpoint.save_checkpoint(accountant=self.accountant, **args)
+        checkpoint.save_checkpoint(accountant=self.accountant, sampling=self._sampling_context(),
+                                   **args)
 
     def load_checkpoint(
         self,
@@ -397,4 +398,8 @@ class PrivacyEngine:
         if data_loader is None:
             data_loader = self._data_loader
         args = vars(_arguments(locals()))
-        return checkpoint.load_checkpoint(accountant=self.accountant, **args)
+        return checkpoint.load_checkpoint(accountant=self.accountant,
+                                          sampling=self._sampling_context(), **args)
+
+    def _sampling_context(self) -> dict[str, Any] | None:
+        return checkpoint.sampling_context(self._sampling, self._num_records)

@@ -297,15 +297,17 @@ class LayoutDataLoader(DPDataLoader):
 
 
 def iterate_with_layouts(batches: Callable[[], Iterator[Any]], layouts: LayoutQueue) -> Iterator[Any]:
-    """Yields the batches of ``batches()``, making each one's layout current as it is yielded
-    (the queue is reset first: layouts of an abandoned pass are dropped)."""
-    layouts.reset()
+    """Yields the batches of ``batches()``, making each one's layout current as it is yielded,
+    as one pass of ``layouts`` (:meth:`LayoutQueue.begin`: layouts of an abandoned pass are
+    dropped, and that pass can no longer activate one)."""
+    layouts.required = True
+    token = layouts.begin()
     try:
         for batch in batches():
-            layouts.activate()
+            layouts.activate(token)
             yield batch
     finally:
-        layouts.current = None
+        layouts.end(token)
 
 
 # ----------------------------------------------------------------------------- the plan

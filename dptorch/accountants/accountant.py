@@ -247,9 +247,9 @@ class IAccountant(abc.ABC):
         destination["neighboring_relation"] = self.neighboring_relation  # type: ignore[index]
         return destination  # type: ignore[return-value]
 
-    def load_state_dict(self, state_dict: T_state_dict) -> None:
-        """Restores a state produced by :meth:`state_dict` of the same mechanism (events when
-        present, else the Opacus ``history``)."""
+    def check_state_dict(self, state_dict: T_state_dict) -> None:
+        """Raises ``ValueError`` unless :meth:`load_state_dict` can load ``state_dict`` (a state
+        of this mechanism), without loading anything."""
         if not state_dict:
             raise ValueError("state_dict is None or empty; pass the output of state_dict().")
         for key in ("history", "mechanism"):
@@ -261,6 +261,11 @@ class IAccountant(abc.ABC):
                 f"accountant of mechanism {self.mechanism()!r}; create_accountant("
                 f"{state_dict['mechanism']!r}) instead."
             )
+
+    def load_state_dict(self, state_dict: T_state_dict) -> None:
+        """Restores a state produced by :meth:`state_dict` of the same mechanism (events when
+        present, else the Opacus ``history``)."""
+        self.check_state_dict(state_dict)
         if "neighboring_relation" in state_dict:
             self.neighboring_relation = check_relation(state_dict["neighboring_relation"])
         if "events" in state_dict:

@@ -158,16 +158,28 @@ class LayoutQueue:
     it when it yields that batch, and the clipping code reads it with :meth:`training_layout`.
     ``None``: every row is its own unit and none is padding.
 
-    A layout describes the batch yielded last. A wrapper that pulls batches ahead of training
-    (a prefetcher) would have batch ``t`` clipped with the layout of batch ``t + 1``: padding
-    rows, copies of a real record, would count as records. So a non-empty batch yielded and
-    never trained on before the next one is yielded makes every later training read raise
-    ``ValueError`` until the loader is iterated afresh.
+    A layout describes the batch yielded last by the live pass over the loader, so everything
+    that could pair a batch with another batch's layout is refused (``ValueError``):
+
+    * a second pass started while another is live (``zip(loader, loader)``, a look at
+      ``next(iter(loader))`` between steps): training reads raise until a pass starts alone,
+      and a pass whose token (:meth:`begin`) is no longer current cannot activate a layout;
+    * training with no layout while the loader needs them (:attr:`required`): a batch of a pass
+      that has ended, or not from this loader;
+    * a non-empty batch yielded and not trained on before the next one (a wrapper that fetches
+      batches ahead of training would clip batch ``t`` with the layout of batch ``t + 1``, and
+      padding rows, copies of a real record, would count as records). Skipping a batch is
+      refused for the same reason: the two cannot be told apart.
     """
 
     def __init__(self) -> None:
         self._pending: deque[BatchLayout] = deque()
         self.current: BatchLayout | None = None
+        #: every training batch must have a layout (set by the loaders that produce them)
+        self.required = False
+        self._pass = 0  # token of the latest pass over the loader
+        self._live: set[int] = set()  # passes begun and not ended
+        self._overlap = False  # a pass began while another was live
         self._trained = True  # the current batch was read for training (or there is none)
         self._skipped = False  # a non-empty batch was yielded and never trained on
 
@@ -182,30 +194,68 @@ class LayoutQueue:
         """The layout drawn last (a batch splitter takes it to push its chunks' instead)."""
         return self._pending.pop()
 
-    def activate(self) -> None:
-        """The next drawn batch is the one being trained on."""
+    def begin(self) -> int:
+        """Starts a pass over the loader (forgetting drawn batches and the current layout);
+        returns its token."""
+        self.reset()
+        self._overlap = bool(self._live)
+        self._pass += 1
+        self._live.add(self._pass)
+        return self._pass
+
+    def activate(self, token: int | None = None) -> None:
+        """The next drawn batch is the one being trained on (``token``: the pass yielding it)."""
+        if token is not None and token != self._pass:
+            raise ValueError(
+                "Two passes over the data loader of make_private (poisson_sampling="
+                "'fixed_shape' or privacy_unit='user') were live at once (zip(loader, loader), "
+                "or iter(loader) called again during an epoch): the padding rows and users of "
+                "a batch are known only for the live pass. Iterate the loader once at a time."
+            )
         if self.current is not None and not self._trained and self.current.num_rows > 0:
             self._skipped = True
         self.current = self._pending.popleft() if self._pending else None
         self._trained = False
 
+    def end(self, token: int) -> None:
+        """The pass ``token`` is over (a stale pass's end leaves the current layout)."""
+        self._live.discard(token)
+        if token == self._pass:
+            self.current = None
+
     def training_layout(self) -> BatchLayout | None:
         """:attr:`current`, read to clip the batch being trained on."""
+        if self._overlap:
+            raise ValueError(
+                "Two passes over the data loader of make_private (poisson_sampling="
+                "'fixed_shape' or privacy_unit='user') were live at once (zip(loader, loader), "
+                "or iter(loader) called again during an epoch): the padding rows and users of "
+                "a batch are known only for the live pass, and this batch may be the other "
+                "pass's. Iterate the loader once at a time (close or finish an earlier "
+                "iterator first)."
+            )
         if self._skipped:
             raise ValueError(
                 "The data loader of make_private (poisson_sampling='fixed_shape' or "
                 "privacy_unit='user') yielded a batch that was not trained on before it yielded "
                 "the next one. Its padding rows and users are known only for the batch yielded "
                 "last, so a wrapper that fetches batches ahead of training (a prefetcher, a "
-                "framework's data fetcher) would clip a batch with another batch's layout. "
-                "Train on every batch before drawing the next, from the loader itself, or use "
-                "poisson_sampling=True."
+                "framework's data fetcher) would clip a batch with another batch's layout; a "
+                "skipped batch looks the same. Train on every batch before drawing the next, "
+                "from the loader itself, or use poisson_sampling=True."
+            )
+        if self.current is None and self.required:
+            raise ValueError(
+                "Training on a batch without its layout while the data loader of make_private "
+                "(poisson_sampling='fixed_shape' or privacy_unit='user') needs one: the batch "
+                "comes from a pass over the loader that has ended (e.g. next(iter(loader))) or "
+                "from another loader. Train on the batches of a live `for batch in loader` pass."
             )
         self._trained = True
         return self.current
 
     def reset(self) -> None:
-        """Forgets drawn batches (a new pass over the loader) and the current layout."""
+        """Forgets drawn batches and the current layout."""
         self._pending.clear()
         self.current = None
         self._trained, self._skipped = True, False
