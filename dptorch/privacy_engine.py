@@ -47,7 +47,7 @@ from .optimizers.arguments import (
     parameter_names,
 )
 from .optimizers.multi_pass import validate_multi_pass_args
-from .sampling import check_plan, engine_epsilon_with_truncation, plan_for, with_truncation
+from .sampling import check_plan, check_truncation, plan_for, with_truncation
 from .validators import ModuleValidator
 
 logger = logging.getLogger(__name__)
@@ -216,6 +216,8 @@ class PrivacyEngine:
                 stacklevel=3,
             )
         self._num_records, self._sampling = n, plan
+        check_truncation(self.accountant, plan.truncation(n))
+        self.accountant.truncation = plan.truncation(n)  # ε includes what truncation costs
         build = partial(plan.loader, layouts=dp_optimizer.clipping.layouts, distributed=distributed) \
             if plan.needs_layout else partial(prepare_data_loader, distributed=distributed,
                                              poisson_sampling=a.poisson_sampling)
@@ -347,8 +349,7 @@ class PrivacyEngine:
         replace-one, with a warning stating its assumptions (``accountants.utils.engine_epsilon``).
         """
         warn_if_weak_delta(delta, self._num_records, meaning=", so the epsilon means little")
-        return engine_epsilon_with_truncation(self._sampling, self.accountant, self._num_records,
-                                              delta, partial(engine_epsilon, self.accountant))
+        return engine_epsilon(self.accountant, delta)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(

@@ -33,6 +33,15 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from .accountants.truncation import (  # noqa: F401 - re-exported: dptorch.sampling's API
+    Truncation,
+    epsilon_with_truncation,
+    rank_rows,
+    step_truncation_probability,
+    truncated_delta,
+    truncation_delta,
+    truncation_probability,
+)
 from .data_loader import DPDataLoader, poisson_sampling_indices, rebuilt_loader_kwargs
 from .utils._poisson import check_secure_generator, poisson_mask, resolve_steps
 from .utils.batch_layout import BatchLayout, LayoutQueue
@@ -59,14 +68,6 @@ __all__ = [
 DEFAULT_TRUNCATION_PER_STEP = 1e-10
 
 
-def truncation_probability(num_records: int, sample_rate: float, max_batch_size: int) -> float:
-    """``P(Binomial(num_records + 1, q) > M)``: the chance that a Poisson batch of the larger of
-    two neighbouring data sets has more than ``M`` records (exact binomial tail)."""
-    from scipy.stats import binom
-
-    return float(binom.sf(max_batch_size, num_records + 1, sample_rate))
-
-
 def choose_max_batch_size(num_records: int, sample_rate: float, per_step: float) -> int:
     """The smallest ``M`` whose :func:`truncation_probability` is at most ``per_step``."""
     from scipy.stats import binom
@@ -77,67 +78,6 @@ def choose_max_batch_size(num_records: int, sample_rate: float, per_step: float)
     while m > 0 and truncation_probability(num_records, sample_rate, m - 1) <= per_step:
         m -= 1
     return max(m, 1)
-
-
-def rank_rows(max_batch_size: int, world_size: int = 1) -> int:
-    """The rows of each rank's batch when a fixed shape of ``max_batch_size`` rows is shared
-    by ``world_size`` ranks: ``ceil(M / W)`` (every rank the same shape)."""
-    return -(-max_batch_size // world_size)
-
-
-def step_truncation_probability(num_records: int, sample_rate: float, max_batch_size: int,
-                                world_size: int = 1) -> float:
-    """A bound on the probability that a step truncates, on either of two neighbouring data
-    sets: ``Σ_r P(Binomial(N_r + 1, q) > M_r)`` over the ranks (rank r samples its shard of
-    ``N_r`` records, in ``M_r`` = :func:`rank_rows` rows; one rank: :func:`truncation_probability`)."""
-    m = rank_rows(max_batch_size, world_size)
-    return sum(truncation_probability(len(range(r, num_records, world_size)), sample_rate, m)
-               for r in range(world_size))
-
-
-def truncation_delta(steps_by_rate: Sequence[tuple[float, int]], num_records: int,
-                     max_batch_size: int, world_size: int = 1) -> float:
-    """``τ = Σ steps × step_truncation_probability(q)`` over the ``(q, steps)`` of a run: a bound
-    on the probability that any of its batches is truncated, on either of two neighbouring
-    data sets (a union bound over the steps and the ranks)."""
-    return sum(n * step_truncation_probability(num_records, q, max_batch_size, world_size)
-               for q, n in steps_by_rate)
-
-
-def truncated_delta(epsilon: float, poisson_delta: float, tau: float) -> float:
-    """The δ of the truncated run at ``epsilon`` when the Poisson run is ``(epsilon,
-    poisson_delta)``-DP and ``tau`` bounds its truncation probability:
-    ``poisson_delta + (1 + e^ε)·τ``.
-
-    Outside the truncation events the two runs are the same (coupled), so each output
-    distribution is within total variation ``τ`` of the Poisson one, on D and on D':
-    ``P[A(D) ∈ S] ≤ P[P(D) ∈ S] + τ ≤ e^ε P[P(D') ∈ S] + δ + τ ≤ e^ε P[A(D') ∈ S] + δ +
-    (1 + e^ε)·τ``."""
-    return poisson_delta + (1.0 + math.exp(epsilon)) * tau
-
-
-def epsilon_with_truncation(epsilon_at: Callable[[float], float], delta: float,
-                            tau: float) -> float:
-    """The smallest ε (to 1e-9) with ``truncated_delta(ε, δ_P, tau) ≤ delta``, where
-    ``epsilon_at(δ_P)`` is the Poisson run's ε at ``δ_P``: the fixed point of
-    ``ε = epsilon_at(delta − (1 + e^ε)·tau)``, reached from below (``epsilon_at`` decreases
-    in δ_P). ``ValueError`` when truncation alone spends ``delta``."""
-    if tau == 0.0:
-        return epsilon_at(delta)
-    eps = 0.0
-    for _ in range(100):
-        rest = delta - (1.0 + math.exp(eps)) * tau
-        if rest <= 0:
-            raise ValueError(
-                f"Truncating the fixed-shape batches costs delta >= (1 + e^eps)·{tau:.3g} "
-                f"with eps >= {eps:.3g}, which reaches {delta:g}: ask for a larger delta, or "
-                "train with a larger max_batch_size."
-            )
-        nxt = epsilon_at(rest)
-        if nxt <= eps:  # eps is a fixed point from above: (eps, delta) holds
-            return eps
-        eps = nxt + 1e-9
-    return eps
 
 
 def _random_subset(idx: torch.Tensor, k: int, generator, secure_mode: bool) -> torch.Tensor:
@@ -337,6 +277,12 @@ class SamplingPlan:
     def needs_layout(self) -> bool:
         return self.fixed_shape or self.privacy_unit == "user"
 
+    def truncation(self, num_records: int) -> Truncation | None:
+        """What the accountant needs to charge truncation (fixed shape), else ``None``."""
+        if not self.fixed_shape:
+            return None
+        return Truncation(num_records, self.max_batch_size or 0, self.world_size)
+
     def units(self, data_loader: Any, num_records: int) -> int:
         """The number of privacy units ``data_loader`` draws from (users, or records)."""
         if self.privacy_unit != "user":
@@ -528,15 +474,15 @@ def plan_for(a: Any, kwargs: dict[str, Any]) -> SamplingPlan:
                          batch_rate=rate, truncation_target=target, world_size=world)
 
 
-def engine_truncation_delta(plan: SamplingPlan | None, accountant: Any, num_records: int) -> float:
-    """The δ that truncation adds to the accountant's history so far (0 without it)."""
-    if plan is None or not plan.fixed_shape:
-        return 0.0
-    from .accountants.events import PoissonSampledEvent, flatten
-
-    steps = [(e.sampling_probability, n) for e, n in flatten(accountant.events)
-             if isinstance(e, PoissonSampledEvent)]
-    return truncation_delta(steps, num_records, plan.max_batch_size or 0, plan.world_size)
+def check_truncation(accountant: Any, truncation: Truncation | None) -> None:
+    """Raises ``ValueError`` when ``accountant`` holds steps of other (truncated or not)
+    sampling: one accountant charges one truncation."""
+    if len(accountant) and accountant.truncation != truncation:
+        raise ValueError(
+            f"This engine's accountant holds steps sampled with truncation "
+            f"{accountant.truncation} and the new make_private samples with {truncation}: one "
+            "accountant cannot charge both. Use a new PrivacyEngine for the new sampling."
+        )
 
 
 def with_truncation(plan: SamplingPlan, calibrate: Callable[..., float] | None, a: Any,
@@ -559,13 +505,3 @@ def with_truncation(plan: SamplingPlan, calibrate: Callable[..., float] | None, 
             f"{a.target_delta:g}: raise max_batch_size, or leave it out to have it chosen."
         )
     return partial(calibrate, target_delta=poisson_delta)
-
-
-def engine_epsilon_with_truncation(plan: SamplingPlan | None, accountant: Any,
-                                   num_records: int | None, delta: float,
-                                   epsilon_at: Callable[[float], float]) -> float:
-    """``PrivacyEngine.get_epsilon``'s ε at ``delta``: ``epsilon_at(delta)``, or with
-    fixed-shape batches the ε that also pays for the truncation of the steps taken
-    (:func:`epsilon_with_truncation`)."""
-    tau = engine_truncation_delta(plan, accountant, num_records or 0)
-    return epsilon_with_truncation(epsilon_at, delta, tau)

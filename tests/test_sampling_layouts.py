@@ -183,7 +183,10 @@ def test_epsilon_includes_truncation_delta():
     tau = steps * binom.sf(16, N + 1, 1 / 10)
     delta = 1e-2
     eps = engine.get_epsilon(delta)
-    acc = engine.accountant
+    assert engine.accountant.get_epsilon(delta) == eps  # the accountant charges it itself
+    assert engine.accountant.truncation_tau() == pytest.approx(tau, rel=1e-12)
+    acc = copy.deepcopy(engine.accountant)
+    acc.truncation = None  # the Poisson run's accountant
     assert acc.get_epsilon(delta - (1 + math.exp(eps)) * tau) <= eps + 1e-12
     below = eps - 1e-6
     assert acc.get_epsilon(delta - (1 + math.exp(below)) * tau) > below

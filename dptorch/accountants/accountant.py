@@ -11,6 +11,7 @@ such event, and ``state_dict`` / ``load_state_dict`` carry the events (and the h
 from __future__ import annotations
 
 import abc
+import functools
 import math
 import warnings
 from collections import OrderedDict
@@ -36,6 +37,7 @@ from .events import (
     flatten,
     gaussian_phases,
 )
+from .truncation import Truncation, epsilon_with_truncation, truncated_delta
 
 T_state_dict = TypeVar("T_state_dict", bound=Mapping[str, Any])
 
@@ -56,6 +58,25 @@ class IAccountant(abc.ABC):
     def __init__(self, *, neighboring_relation: str = "add_remove") -> None:
         self.neighboring_relation = check_relation(neighboring_relation)
         self._events: list[tuple[PrivacyEvent, int]] = []  # run-length: (event, count)
+        #: the Poisson-sampled steps are fixed-shape batches truncated to M rows (``None``: not
+        #: truncated); every ε and δ this accountant reports then includes what truncation costs
+        self.truncation: Truncation | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every subclass's ``get_epsilon`` / ``get_delta`` / ``get_privacy_spent`` include the
+        cost of :attr:`truncation` (:func:`_with_truncation`), so no reader of ε can miss it."""
+        super().__init_subclass__(**kwargs)
+        for name in ("get_epsilon", "get_delta", "get_privacy_spent"):
+            if name in cls.__dict__:
+                setattr(cls, name, _with_truncation(name, cls.__dict__[name]))
+
+    def truncation_tau(self) -> float:
+        """τ: a bound on the probability that any step composed so far truncates its batch
+        (0 without :attr:`truncation`)."""
+        if self.truncation is None:
+            return 0.0
+        return self.truncation.tau([(e.sampling_probability, n) for e, n in flatten(self.events)
+                                    if isinstance(e, PoissonSampledEvent)])
 
     # ------------------------------------------------------------------ events
     def compose(self, event: PrivacyEvent, count: int = 1) -> IAccountant:
@@ -245,6 +266,9 @@ class IAccountant(abc.ABC):
         destination["mechanism"] = self.mechanism()  # type: ignore[index]
         destination["events"] = [[event_to_dict(e), n] for e, n in self._events]  # type: ignore[index]
         destination["neighboring_relation"] = self.neighboring_relation  # type: ignore[index]
+        t = self.truncation
+        destination["truncation"] = None if t is None else [  # type: ignore[index]
+            t.num_records, t.max_batch_size, t.world_size]
         return destination  # type: ignore[return-value]
 
     def check_state_dict(self, state_dict: T_state_dict) -> None:
@@ -268,12 +292,42 @@ class IAccountant(abc.ABC):
         self.check_state_dict(state_dict)
         if "neighboring_relation" in state_dict:
             self.neighboring_relation = check_relation(state_dict["neighboring_relation"])
+        if state_dict.get("truncation") is not None:
+            self.truncation = Truncation(*(int(v) for v in state_dict["truncation"]))
         if "events" in state_dict:
             self._events = []
             for d, n in state_dict["events"]:
                 self.compose(event_from_dict(d), int(n))
         else:
             self.history = [(float(s), float(q), int(n)) for s, q, n in state_dict["history"]]
+
+
+def _with_truncation(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` (an accountant's ``get_epsilon``, ``get_delta`` or ``get_privacy_spent`` of the
+    Poisson run) with the truncation cost τ of :attr:`IAccountant.truncation` included: ε is
+    the fixed point of ``ε = ε_P(δ − (1 + e^ε)·τ)``, δ is ``δ_P(ε) + (1 + e^ε)·τ``. Applied
+    once per call (a method calling another sees the Poisson run)."""
+
+    @functools.wraps(f)
+    def wrapped(self: IAccountant, *args: Any, **kwargs: Any) -> Any:
+        tau = 0.0 if getattr(self, "_in_truncation", False) else self.truncation_tau()
+        if tau == 0.0:
+            return f(self, *args, **kwargs)
+        self._in_truncation = True
+        try:
+            if name == "get_privacy_spent":  # (*, delta, ...) -> (ε, order)
+                delta = kwargs.pop("delta")
+                eps = epsilon_with_truncation(lambda d: f(self, delta=d, **kwargs)[0], delta, tau)
+                return eps, f(self, delta=delta - (1.0 + math.exp(eps)) * tau, **kwargs)[1]
+            key = "delta" if name == "get_epsilon" else "epsilon"
+            first, rest = (args[0], args[1:]) if args else (kwargs.pop(key), ())
+            if name == "get_delta":
+                return min(1.0, truncated_delta(first, f(self, first, *rest, **kwargs), tau))
+            return epsilon_with_truncation(lambda d: f(self, d, *rest, **kwargs), first, tau)
+        finally:
+            self._in_truncation = False
+
+    return wrapped
 
 
 def _check_step(noise_multiplier: float, sample_rate: float) -> None:

@@ -1,8 +1,7 @@
 """Review of the layout machinery (fixed-shape Poisson batches, user-level units, LayoutQueue,
 BatchMemoryManager): misalignments found by review, now refused (every mode), and behaviour
-checked and found right. The one xfail is an open accounting gap: the accountant's own
-get_epsilon does not include the truncation of fixed-shape batches (PrivacyEngine.get_epsilon
-does)."""
+checked and found right (the accountant's own get_epsilon, the Opacus idiom, includes the
+truncation of fixed-shape batches, as PrivacyEngine.get_epsilon does)."""
 
 from __future__ import annotations
 
@@ -142,8 +141,6 @@ def test_broken_off_logical_batch_is_not_released(mode):
     assert all(getattr(p, "summed_grad", None) is None for p in opt.params)
 
 
-@pytest.mark.xfail(strict=True, reason="accountant.get_epsilon (the Opacus idiom) ignores the "
-                   "fixed-shape truncation delta that PrivacyEngine.get_epsilon adds")
 def test_accountant_epsilon_includes_truncation():
     engine, module, opt, crit, dl = _private("hooks", _model(), _data(), sigma=1.0, **FIXED)
     for x, y in dl:
