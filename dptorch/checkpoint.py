@@ -162,6 +162,7 @@ def _load_rng_state(
         sampler = _sampler_epoch(data_loader)
         if sampler is not None and "sampler_epoch" in state:
             sampler.epoch = int(state["sampler_epoch"])
+        _reseed_rank_generators(data_loader)
     # last: the noise generator may also be the sampler's, and was saved after it
     noise_gen = getattr(optimizer, "generator", None)
     if isinstance(noise_gen, torch.Generator) and "noise_generator" in state:
@@ -210,20 +211,27 @@ def _samplers(data_loader: DataLoader) -> list[Any]:
 
 
 def _loader_generators(data_loader: DataLoader) -> dict[str, torch.Generator]:
-    """The generators whose state determines a loader's future batches: its samplers' (a
-    distributed sampler draws from a ``rank_generator`` seeded once from its ``generator``, so
-    both are saved: restoring only the latter would replay the first run's batches) and its
+    """The generators whose state determines a loader's future batches: its samplers' and its
     own."""
     out = {}
-    for key, obj, attr in [
-        *(("sampler_generator", o, "generator") for o in _samplers(data_loader)),
-        *(("sampler_rank_generator", o, "rank_generator") for o in _samplers(data_loader)),
-        ("loader_generator", data_loader, "generator"),
+    for key, obj in [
+        *(("sampler_generator", o) for o in _samplers(data_loader)),
+        ("loader_generator", data_loader),
     ]:
-        gen = getattr(obj, attr, None)
+        gen = getattr(obj, "generator", None)
         if isinstance(gen, torch.Generator) and key not in out:
             out[key] = gen
     return out
+
+
+def _reseed_rank_generators(data_loader: DataLoader) -> None:
+    """A distributed sampler draws from a ``rank_generator`` seeded once from its ``generator``
+    and its rank. After a restore it is seeded again from the restored ``generator``: left
+    alone, it would replay the first run's masks; restored from rank 0's file, every rank
+    would draw rank 0's masks. Its rank is mixed in, so the ranks stay independent."""
+    for obj in _samplers(data_loader):
+        if getattr(obj, "rank_generator", None) is not None:
+            obj.generator = obj.generator  # the setter draws a new rank seed
 
 
 def _sampler_epoch(data_loader: DataLoader) -> Any:

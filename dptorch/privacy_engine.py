@@ -166,7 +166,9 @@ class PrivacyEngine:
         n = records_in_loader(
             a.data_loader, poisson_sampling=a.poisson_sampling, distributed=distributed
         )
-        return mode, distributed, a.plan.units(a.data_loader, n)
+        units = a.plan.units(a.data_loader, n)
+        check_truncation(self.accountant, a.plan.truncation(units))
+        return mode, distributed, units
 
     # ------------------------------------------------------------------ building
     def _make_private(
@@ -216,7 +218,6 @@ class PrivacyEngine:
                 stacklevel=3,
             )
         self._num_records, self._sampling = n, plan
-        check_truncation(self.accountant, plan.truncation(n))
         self.accountant.truncation = plan.truncation(n)  # ε includes what truncation costs
         build = partial(plan.loader, layouts=dp_optimizer.clipping.layouts, distributed=distributed) \
             if plan.needs_layout else partial(prepare_data_loader, distributed=distributed,

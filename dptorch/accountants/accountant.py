@@ -63,10 +63,12 @@ class IAccountant(abc.ABC):
         self.truncation: Truncation | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every subclass's ``get_epsilon`` / ``get_delta`` / ``get_privacy_spent`` include the
-        cost of :attr:`truncation` (:func:`_with_truncation`), so no reader of ε can miss it."""
+        """Every subclass's ``get_epsilon``, ``get_delta``, ``get_privacy_spent``,
+        ``get_tradeoff_curve`` and ``get_mu`` include the cost of :attr:`truncation`
+        (:func:`_with_truncation`), so no reader of the privacy spent can miss it."""
         super().__init_subclass__(**kwargs)
-        for name in ("get_epsilon", "get_delta", "get_privacy_spent"):
+        for name in ("get_epsilon", "get_delta", "get_privacy_spent", "get_tradeoff_curve",
+                     "get_mu"):
             if name in cls.__dict__:
                 setattr(cls, name, _with_truncation(name, cls.__dict__[name]))
 
@@ -293,7 +295,15 @@ class IAccountant(abc.ABC):
         if "neighboring_relation" in state_dict:
             self.neighboring_relation = check_relation(state_dict["neighboring_relation"])
         if state_dict.get("truncation") is not None:
-            self.truncation = Truncation(*(int(v) for v in state_dict["truncation"]))
+            saved = Truncation(*(int(v) for v in state_dict["truncation"]))
+            if self.truncation is not None and saved != self.truncation:
+                raise ValueError(
+                    f"state_dict's steps were sampled with truncation {saved}, this accountant "
+                    f"charges {self.truncation}: one accountant charges one truncation. Load it "
+                    "into an accountant of the same sampling (make_private with the same "
+                    "max_batch_size, world size and data set)."
+                )
+            self.truncation = saved
         if "events" in state_dict:
             self._events = []
             for d, n in state_dict["events"]:
@@ -303,18 +313,26 @@ class IAccountant(abc.ABC):
 
 
 def _with_truncation(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
-    """``f`` (an accountant's ``get_epsilon``, ``get_delta`` or ``get_privacy_spent`` of the
-    Poisson run) with the truncation cost τ of :attr:`IAccountant.truncation` included: ε is
-    the fixed point of ``ε = ε_P(δ − (1 + e^ε)·τ)``, δ is ``δ_P(ε) + (1 + e^ε)·τ``. Applied
-    once per call (a method calling another sees the Poisson run)."""
+    """``f`` (an accountant's method ``name`` for the Poisson run) with the truncation cost τ of
+    :attr:`IAccountant.truncation` included: ε is the fixed point of ``ε = ε_P(δ − (1 +
+    e^ε)·τ)``, δ is ``δ_P(ε) + (1 + e^ε)·τ``, the trade-off curve ``β_P(α + τ) − τ`` (each output
+    distribution is within total variation τ of the Poisson one), μ is fitted to that curve.
+    Applied once per call (a method calling another sees the Poisson run)."""
 
     @functools.wraps(f)
     def wrapped(self: IAccountant, *args: Any, **kwargs: Any) -> Any:
         tau = 0.0 if getattr(self, "_in_truncation", False) else self.truncation_tau()
         if tau == 0.0:
             return f(self, *args, **kwargs)
+        if name == "get_mu":  # from the truncated curve (a subclass's closed form is Poisson)
+            return IAccountant.get_mu(self, **kwargs)
         self._in_truncation = True
         try:
+            if name == "get_tradeoff_curve":
+                # within TV τ of the Poisson run on both data sets: β(α) ≥ β_P(α + τ) − τ
+                alpha, rest = (args[0], args[1:]) if args else (kwargs.pop("alpha"), ())
+                shifted = np.minimum(np.asarray(alpha, dtype=np.float64) + tau, 1.0)
+                return np.maximum(np.asarray(f(self, shifted, *rest, **kwargs)) - tau, 0.0)
             if name == "get_privacy_spent":  # (*, delta, ...) -> (ε, order)
                 delta = kwargs.pop("delta")
                 eps = epsilon_with_truncation(lambda d: f(self, delta=d, **kwargs)[0], delta, tau)

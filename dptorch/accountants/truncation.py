@@ -106,4 +106,8 @@ def epsilon_with_truncation(epsilon_at: Callable[[float], float], delta: float,
         if nxt <= eps:  # eps is a fixed point from above: (eps, delta) holds
             return eps
         eps = nxt + 1e-9
-    return eps
+    raise ValueError(
+        f"No epsilon found for delta={delta:g} with truncation cost tau={tau:.3g} (the fixed "
+        "point did not converge: truncation spends nearly all of delta). Ask for a larger "
+        "delta, or train with a larger max_batch_size."
+    )

@@ -241,6 +241,7 @@ def _clone(accountant: IAccountant, relation: str, events: list) -> IAccountant:
         warnings.simplefilter("ignore")  # the GDP accountant's construction warning
         acc = type(accountant)(neighboring_relation=relation)
     acc.events = events
+    acc.truncation = accountant.truncation
     return acc
 
 

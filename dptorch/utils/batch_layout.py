@@ -197,8 +197,10 @@ class LayoutQueue:
     def begin(self) -> int:
         """Starts a pass over the loader (forgetting drawn batches and the current layout);
         returns its token."""
+        # a live pass whose current batch was trained can no longer pair a batch with another
+        # batch's layout (its token cannot activate one); one whose batch is untrained can
+        self._overlap = bool(self._live) and self.current is not None and not self._trained
         self.reset()
-        self._overlap = bool(self._live)
         self._pass += 1
         self._live.add(self._pass)
         return self._pass
@@ -226,6 +228,7 @@ class LayoutQueue:
     def training_layout(self) -> BatchLayout | None:
         """:attr:`current`, read to clip the batch being trained on."""
         if self._overlap:
+            self._trained = True  # refused: consumed, so that a retry's pass starts clean
             raise ValueError(
                 "Two passes over the data loader of make_private (poisson_sampling="
                 "'fixed_shape' or privacy_unit='user') were live at once (zip(loader, loader), "
@@ -235,6 +238,7 @@ class LayoutQueue:
                 "iterator first)."
             )
         if self._skipped:
+            self._trained = True
             raise ValueError(
                 "The data loader of make_private (poisson_sampling='fixed_shape' or "
                 "privacy_unit='user') yielded a batch that was not trained on before it yielded "
