@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import inspect
 import math
 import warnings
 from collections import OrderedDict
@@ -325,7 +326,10 @@ def _with_truncation(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
         if tau == 0.0:
             return f(self, *args, **kwargs)
         if name == "get_mu":  # from the truncated curve (a subclass's closed form is Poisson)
-            return IAccountant.get_mu(self, **kwargs)
+            bound = inspect.signature(f).bind(self, *args, **kwargs)
+            named = {k: v for k, v in bound.arguments.items() if k != "self"}
+            named.update(named.pop("kwargs", {}))
+            return IAccountant.get_mu(self, **named)
         self._in_truncation = True
         try:
             if name == "get_tradeoff_curve":

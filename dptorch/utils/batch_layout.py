@@ -208,6 +208,9 @@ class LayoutQueue:
     def activate(self, token: int | None = None) -> None:
         """The next drawn batch is the one being trained on (``token``: the pass yielding it)."""
         if token is not None and token != self._pass:
+            # its draw may already have pushed a layout among the live pass's: refuse the
+            # live pass's training reads too, until a pass starts alone
+            self._overlap = True
             raise ValueError(
                 "Two passes over the data loader of make_private (poisson_sampling="
                 "'fixed_shape' or privacy_unit='user') were live at once (zip(loader, loader), "
