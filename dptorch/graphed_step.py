@@ -114,22 +114,24 @@ def step_signature(
     return dp, groups, state, hooks, tree
 
 
+_WHERE = "make_graphed_dp_step"
+
+
 def _check_supported(module: nn.Module, optimizer: DPOptimizer) -> None:
-    where = "make_graphed_dp_step"
     if type(optimizer) not in _SUPPORTED:
         raise ValueError(
-            f"{where}: {type(optimizer).__name__} is not supported (only "
+            f"{_WHERE}: {type(optimizer).__name__} is not supported (only "
             f"{', '.join(c.__name__ for c in _SUPPORTED)}): distributed, adaptive-clipping and "
             "multi-pass optimizers decide on the host at every step. Train eagerly with it."
         )
     if optimizer.secure_mode:
         raise ValueError(
-            f"{where}: secure_mode draws the noise from the host's CSPRNG, which a CUDA graph "
+            f"{_WHERE}: secure_mode draws the noise from the host's CSPRNG, which a CUDA graph "
             "cannot replay. Train eagerly with secure_mode, or turn it off."
         )
     if optimizer.generator is not None:
         raise ValueError(
-            f"{where}: the optimizer has its own noise generator; a CUDA graph advances only "
+            f"{_WHERE}: the optimizer has its own noise generator; a CUDA graph advances only "
             "torch's default CUDA generator between replays. Seed that one "
             "(torch.cuda.manual_seed) and build the optimizer without generator."
         )
@@ -137,12 +139,11 @@ def _check_supported(module: nn.Module, optimizer: DPOptimizer) -> None:
 
 
 def _check_device(module: nn.Module) -> None:
-    where = "make_graphed_dp_step"
     devices = {p.device.type for p in module.parameters()}
     if not torch.cuda.is_available() or devices != {"cuda"}:
         why = "" if torch.cuda.is_available() else ", and CUDA is not available"
         raise ValueError(
-            f"{where}: CUDA graphs need the model on a CUDA device (its parameters are on "
+            f"{_WHERE}: CUDA graphs need the model on a CUDA device (its parameters are on "
             f"{sorted(devices) or 'no device'}{why}). Move the model to the GPU before "
             "make_private, or train eagerly."
         )
@@ -154,7 +155,7 @@ def _check_batch(leaves: list) -> None:
     for x in leaves:
         if isinstance(x, torch.Tensor) and x.device.type != "cuda":
             raise ValueError(
-                f"make_graphed_dp_step: a tensor of the batch (shape {tuple(x.shape)}) is on "
+                f"{_WHERE}: a tensor of the batch (shape {tuple(x.shape)}) is on "
                 f"{x.device}; a CUDA graph would keep its value at capture. Move every tensor "
                 "of the batch to the model's GPU before calling the step."
             )

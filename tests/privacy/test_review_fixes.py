@@ -64,6 +64,19 @@ def _step(module, opt, x, y):
     opt.zero_grad()
 
 
+def _cycled(dl, n: int):
+    """``n`` batches of ``dl`` as a step-based loop draws them: ``next`` on one iterator, a new
+    pass whenever one ends."""
+    it = iter(dl)
+    for _ in range(n):
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(dl)
+            batch = next(it)
+        yield batch
+
+
 def _pair(mech, per_step=1e-10):
     """The same run twice: with fixed-shape truncation (M for ``per_step``) and without."""
     a, b = create_accountant(mech), create_accountant(mech)
@@ -149,13 +162,8 @@ def test_retry_after_interrupt_with_kept_traceback():
     kept = None
 
     def train(interrupt):
-        it = iter(dl)
-        for _ in range(3):
-            try:
-                x, y = next(it)
-            except StopIteration:
-                it = iter(dl)
-                x, y = next(it)
+        batches = _cycled(dl, 3)  # a local: a kept traceback keeps the pass alive
+        for x, y in batches:
             _step(module, opt, x, y)
             if interrupt:
                 raise KeyboardInterrupt
@@ -288,12 +296,6 @@ def test_ordinary_layout_loops_are_not_refused(sampling, loop):
         for x, y in dl:
             _step(module, opt, x, y)
     else:
-        it = iter(dl)
-        for _ in range(8):
-            try:
-                x, y = next(it)
-            except StopIteration:
-                it = iter(dl)
-                x, y = next(it)
+        for x, y in _cycled(dl, 8):
             _step(module, opt, x, y)
     assert len(engine.accountant) > 0
