@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm_samplers import ParamDict, positions, sq_norms, sq_sum, wants_grad
+from .norm_samplers import ParamDict, position_sum, positions, sq_norms, sq_sum, wants_grad
 from .registry import LayerRule, register_layer_rule
 
 
@@ -64,7 +64,7 @@ def compute_bilinear_norm_sq_sample(
         else:
             ret[layer.weight] = sq_norms(torch.einsum("bto,bti,btj->boij", g, x1, x2))
     if wants_grad(layer.bias):
-        ret[layer.bias] = sq_sum(g.sum(1), 1)
+        ret[layer.bias] = sq_sum(position_sum(g), 1)
     return ret
 
 

@@ -23,6 +23,7 @@ from .norm_samplers import (
     ParamDict,
     clip_weighted_pair,
     ghost_is_cheaper,
+    position_sum,
     positions,
     sq_norms,
     sq_sum,
@@ -65,7 +66,7 @@ def compute_conv1d_norm_sq_sample(
         else:
             ret[layer.weight] = sq_norms(torch.bmm(a.transpose(1, 2), g))
     if wants_grad(layer.bias):
-        ret[layer.bias] = sq_sum(g.sum(1), 1)
+        ret[layer.bias] = sq_sum(position_sum(g), 1)
     return ret
 
 
@@ -95,7 +96,7 @@ def conv1d_weighted_clipped_sum(
         ac, gc = clip_weighted_pair(a, g, c)
         ret[layer.weight] = ac.reshape(-1, layer.nx).t().mm(gc.reshape(-1, layer.nf))
     if wants_grad(layer.bias):
-        ret[layer.bias] = c.matmul(g.sum(1))
+        ret[layer.bias] = c.matmul(position_sum(g))
     return ret
 
 

@@ -19,6 +19,7 @@ from .norm_samplers import (
     ParamDict,
     clip_weighted_pair,
     ghost_is_cheaper,
+    position_sum,
     positions,
     sample_norms,
     sq_norms,
@@ -73,7 +74,7 @@ def compute_linear_norm_sq_sample(
         else:
             ret[layer.weight] = sq_norms(torch.bmm(g3.transpose(1, 2), a3))
     if wants_grad(layer.bias):
-        ret[layer.bias] = sq_sum(g3.sum(1), 1)
+        ret[layer.bias] = sq_sum(position_sum(g3), 1)
     return ret
 
 
@@ -113,7 +114,7 @@ def linear_weighted_clipped_sum(
             a.reshape(-1, layer.in_features)
         )
     if wants_grad(layer.bias):
-        ret[layer.bias] = c.matmul(g.sum(1))
+        ret[layer.bias] = c.matmul(position_sum(g))
     return ret
 
 

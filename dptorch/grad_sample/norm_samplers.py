@@ -99,6 +99,12 @@ def positions(x: torch.Tensor, first: int = 1, last: int = -1) -> int:
     return t
 
 
+def position_sum(x: torch.Tensor) -> torch.Tensor:
+    """``(B, T, d) -> (B, d)``: ``Σ_t x[:, t]``, a view of ``x`` when ``T = 1`` (a sum over one
+    position is a copy, and a reduction kernel on a CPU)."""
+    return x[:, 0] if x.shape[1] == 1 else x.sum(1)
+
+
 def rows_scaled(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``t`` ``(B, ...)`` with row ``b`` multiplied by ``c_b`` (``c``: ``(B,)``)."""
     return t * c.view(-1, *([1] * (t.dim() - 1)))

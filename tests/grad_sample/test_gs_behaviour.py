@@ -8,6 +8,8 @@ import logging
 import pytest
 import torch
 from gs_helpers import MODES, assert_grad_samples_match
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -16,6 +18,7 @@ from dptorch.grad_sample import (
     GradSampleModuleExpandedWeights,
     register_grad_sampler,
 )
+from dptorch.grad_sample.norm_samplers import position_sum
 from dptorch.grad_sample.registry import GRAD_SAMPLERS
 from dptorch.utils.per_sample_gradients_utils import (
     check_per_sample_gradients_are_correct,
@@ -246,3 +249,15 @@ def test_checker_accepts_correct_and_rejects_wrong_samplers(caplog):
         assert "w" in caplog.text and "per-sample norms" in caplog.text
     finally:
         del GRAD_SAMPLERS[Quadratic]
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(1, 4), t=st.integers(1, 4), d=st.integers(1, 5))
+def test_position_sum_is_the_sum_over_positions_and_a_view_for_one(b, t, d):
+    """The bias norms and clipped sums of a Linear on 2-d inputs (T = 1) read the output
+    gradient itself: no reduction kernel, no copy."""
+    x = torch.randn(b, t, d, dtype=torch.float64)
+    out = position_sum(x)
+    assert out.shape == (b, d)
+    torch.testing.assert_close(out, x.sum(1), rtol=1e-12, atol=1e-12)
+    assert (out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()) == (t == 1)
