@@ -17,7 +17,9 @@ Privacy by construction:
   ...).
 * **Accounting per executed step.** The optimizer's step hooks (the accountant's first) run once
   per eager step and once per replay, never at capture, and always with the σ and batch size the
-  graph was captured with (the signature guarantees it).
+  graph was captured with (the signature guarantees it). They run just before each replay, so a
+  replay that fails part-way is already charged; a hook that reads gradients sees the previous
+  step's.
 * **Fresh noise.** Noise comes from torch's default CUDA generator, whose Philox offset
   advances at every replay.
 * **Padding rows.** With ``poisson_sampling="fixed_shape"`` the padding rows of each batch reach
@@ -227,8 +229,8 @@ class GraphedDPStep:
                 self._valid.copy_(layout.valid)
         for p, grad, grad_sample, summed in self._outputs:
             p.grad, p.grad_sample, p.summed_grad = grad, grad_sample, summed
+        self.optimizer.run_step_hooks()  # charged before the replay releases anything
         self._graph.replay()
-        self.optimizer.run_step_hooks()
         self.calls += 1
         self._note(captured)
         return self._loss.clone()
@@ -262,7 +264,7 @@ class GraphedDPStep:
 
     def _capture(self, leaves: list, spec, layout) -> None:
         """Captures one step on static copies of ``leaves``; the step hooks are held back (the
-        caller runs them after the replay that executes it)."""
+        caller runs them before each replay that executes it)."""
         self._graph = self._loss = self._key = None  # free the old graph's memory first
         self._outputs = []
         _check_supported(self.module, self.optimizer)

@@ -269,6 +269,26 @@ def test_hooks_run_once_per_step_and_never_at_capture(fake_cuda):
     assert step.captures == 1 and not opt._step_hooks_deferred
 
 
+def test_a_step_is_charged_before_its_replay_releases_it(fake_cuda):
+    """The accountant's hook runs before the replay: a replay that fails part-way (an
+    interrupt) may have released the step's noisy gradient, so it must already be counted."""
+    gsm, opt, step, events = _graphed()
+    step(*_batch(0))
+    step(*_batch(1))  # captured
+    charged = []
+    fake_cuda.append(lambda: charged.append(len(events)))
+    step(*_batch(2))
+    assert charged == [3]
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    fake_cuda.append(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(*_batch(3))
+    assert len(events) == 4
+
+
 def test_a_skip_request_is_refused_and_left_in_place(fake_cuda):
     """A replay cannot skip (signal_skip_step, BatchMemoryManager): refused, not replayed as a
     whole step."""
