@@ -25,8 +25,9 @@ __all__ = ["load_checkpoint", "sampling_context", "save_checkpoint"]
 Path = str | os.PathLike | BinaryIO | IO[bytes]
 
 _GSM_PREFIX = "_module."
-# DP hyper-parameters that schedules and adaptive clipping change during training
-_DP_SETTINGS = ("noise_multiplier", "unclipped_num", "sample_size")
+# DP hyper-parameters that schedules and adaptive clipping change during training (AdaClip's
+# noisy count; never its raw ``sample_size``, the exact size of the last Poisson batch)
+_DP_SETTINGS = ("noise_multiplier", "unclipped_num")
 
 
 def save_checkpoint(

@@ -110,6 +110,9 @@ class GradSampleModule(AbstractGradSampleModule):
     supports_fsdp = False
     #: the grad_sample_mode this class implements, for messages
     mode_name = "hooks"
+    #: trace every training forward pass, not only the first: where a use that appears later
+    #: would be released unclipped (ghost's second backward pass takes every use's gradient)
+    TRACE_EVERY_PASS = False
 
     def __init__(
         self,
@@ -372,7 +375,7 @@ class GradSampleModule(AbstractGradSampleModule):
             return
         trace.check()
         # a batch of 0 or 1 sample cannot tell batch data from shared data: trace again then
-        if self._trace_bsz is None or self._trace_bsz > 1:
+        if (self._trace_bsz is None or self._trace_bsz > 1) and not self.TRACE_EVERY_PASS:
             self._trace_armed = False
 
     def _trace_enter(self, module, args, kwargs):
@@ -434,6 +437,16 @@ class GradSampleModule(AbstractGradSampleModule):
         clipping counts calls and keeps output edges here)."""
 
     def _on_backprops(self, module, activations, kwargs, fwd, grad):
+        if torch.is_grad_enabled():  # even with the backward hooks off: nothing sees that use
+            name = self._module_names.get(id(module), type(module).__name__)
+            raise ValueError(
+                f"A backward pass with create_graph=True went through {name} "
+                f"({type(module).__name__}), a layer whose per-sample gradients are hooked. A "
+                "loss built from that gradient (a gradient penalty, a double backward) reaches "
+                "the layer's weights through the backward graph, which no per-sample hook "
+                "sees, so its gradient cannot be clipped per sample. Compute such terms without "
+                "create_graph (or on an unwrapped copy of the model), or train without them."
+            )
         if not self.hooks_enabled or not self.backward_hooks_enabled:
             return None
         self._expected_rows = fwd.rows if fwd is not None else None

@@ -65,6 +65,9 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
 
     autograd_forms_clipped_sum = False
     mode_name = "bk"
+    #: a use outside a hooked call gives autograd a gradient that :meth:`_on_autograd_grad`
+    #: refuses at every pass; the trace of the first pass suffices
+    TRACE_EVERY_PASS = False
     #: A layer whose norm is computed by instantiating its per-sample gradient keeps that
     #: gradient (its clipped sum is then one weighted sum instead of a weight-gradient matmul)
     #: while it is at most this many times the size of the inputs and output gradient it

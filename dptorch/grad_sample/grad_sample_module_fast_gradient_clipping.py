@@ -82,6 +82,10 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
     #: the second backward pass leaves the clipped sum to autograd (ghost); bk forms it itself
     autograd_forms_clipped_sum = True
     mode_name = "ghost"
+    #: the second backward pass takes the gradient of every use of a parameter, hooked or not,
+    #: while the clip factors come from the hooked calls' norms: a use outside its module that
+    #: first appears after the first pass would be released unclipped, so every pass is traced
+    TRACE_EVERY_PASS = True
 
     def __init__(
         self,

@@ -183,9 +183,13 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
                 if batch_size > 1:  # one sample cannot tell batch data from shared data
                     self._checked = signature
             try:
-                return call_for_per_sample_grads(
+                out = call_for_per_sample_grads(
                     self._module, batch_size=batch_size, loss_reduction=self.loss_reduction
                 )(*args, **kwargs)
+                for t in tensors_in(out):
+                    if t.requires_grad:
+                        t.register_hook(_refuse_create_graph)
+                return out
             except RuntimeError as e:
                 if "Expanded Weights" not in str(e):
                     raise
@@ -297,3 +301,18 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _refuse_create_graph(grad: torch.Tensor) -> None:
+    """Output hook: a backward pass with ``create_graph=True`` (a gradient penalty, a double
+    backward) makes the weights reach the loss through the backward graph, where
+    ExpandedWeights' per-sample rules do not apply."""
+    if torch.is_grad_enabled():
+        raise ValueError(
+            "A backward pass with create_graph=True went through the model's output under "
+            "grad_sample_mode='ew'. A loss built from that gradient (a gradient penalty, a double "
+            "backward) reaches the weights through the backward graph, whose per-sample "
+            "gradients ExpandedWeights does not compute, so it cannot be clipped per sample. "
+            "Compute such terms without create_graph (or on an unwrapped copy of the model), "
+            "or train without them."
+        )

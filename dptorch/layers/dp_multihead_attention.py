@@ -145,6 +145,12 @@ class DPMultiheadAttention(nn.Module):
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         b, tgt_len, _ = query.shape
         h, d = self.num_heads, self.head_dim
+        if key.shape[0] != b or value.shape[0] != b or key.shape[1] != value.shape[1]:
+            raise RuntimeError(  # as nn.MultiheadAttention: a view would mix the batch up
+                f"DPMultiheadAttention: key {tuple(key.shape)} and value {tuple(value.shape)} "
+                f"must have the query's batch size ({b}) and one source length (shapes shown "
+                "batch first). Expand a shared memory to the batch: memory.expand(B, -1, -1)."
+            )
 
         q = self.qlinear(query)
         k = self.klinear(key)
