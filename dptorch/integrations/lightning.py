@@ -25,8 +25,9 @@ What it wires, and where:
 
 Refused, with the reason: gradient accumulation (``accumulate_grad_batches > 1``: two Poisson
 batches are not one), gradient clipping by the Trainer (it would act on the un-noised sum),
-16-bit precision with a loss scaler, several devices, several optimizers, ``"ghost"`` mode
-(use ``"bk"``: same norms, one backward pass).
+16-bit precision with a loss scaler, several devices, several optimizers, manual optimization
+(``automatic_optimization = False``: the optimizer steps inside ``training_step``), ``"ghost"``
+mode (use ``"bk"``: same norms, one backward pass).
 
 Both the ``lightning`` (``lightning.pytorch``) and ``pytorch_lightning`` namespaces work: the
 classes here adopt the ``Callback`` / ``LightningDataModule`` base of the namespace found
@@ -273,9 +274,27 @@ def _split_optimizers(result: Any) -> tuple[torch.optim.Optimizer, Callable[[Any
             return inner, lambda new: [rebuild(new)]
     raise NotImplementedError(
         "DPCallback supports one optimizer (optionally with schedulers); configure_optimizers "
-        f"returned {type(result).__name__}. Train several optimizers with dptorch.PrivacyEngine "
-        "in manual optimization."
+        f"returned {type(result).__name__}. Use one optimizer with parameter groups (a learning "
+        "rate per group), or make the model and optimizer private yourself with "
+        "dptorch.PrivacyEngine.make_private, without DPCallback."
     )
+
+
+def _check_module(pl_module: Any) -> None:
+    """Refuses manual optimization (``automatic_optimization = False``): ``training_step`` then
+    runs ``manual_backward`` and ``optimizer.step()`` itself, inside the forward pass that
+    DPCallback wraps for per-sample clipping (the GradSampleModule's), so the backward and the
+    DP step happen in the middle of the hooked forward instead of once per Poisson batch after
+    it, and DPCallback cannot guarantee that every step is clipped, noised and accounted."""
+    if getattr(pl_module, "automatic_optimization", True) is False:
+        raise ValueError(
+            f"DPCallback does not support manual optimization: {type(pl_module).__name__} sets "
+            "automatic_optimization = False, so its training_step runs the backward pass and the "
+            "optimizer step inside the forward pass that DPCallback wraps for per-sample "
+            "clipping. Use automatic optimization (return the loss from training_step), or call "
+            "dptorch.PrivacyEngine.make_private on the module, optimizer and data loader "
+            "yourself, without DPCallback."
+        )
 
 
 class DPCallback(_NamespaceDispatch):
@@ -358,6 +377,7 @@ class DPCallback(_NamespaceDispatch):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
+        _check_module(pl_module)
         if self._patched is not None:  # a previous fit that did not tear down
             self._restore(pl_module)
         original = pl_module.configure_optimizers
@@ -487,6 +507,7 @@ class DPCallback(_NamespaceDispatch):
         return max(1, by_epochs)
 
     def _make_private(self, trainer: Any, pl_module: Any, result: Any, step: Callable) -> Any:
+        _check_module(pl_module)  # again: the module's own setup() runs after the callback's
         self._check_trainer(trainer)
         optimizer, rebuild = _split_optimizers(result)
         source = trainer.fit_loop._data_source  # the datamodule, the module or fit(...)'s loader

@@ -44,7 +44,9 @@ Refused with a clear error (rather than trained wrongly): ``fp16`` (the loss sca
 scaled gradients), several processes or GPUs, DeepSpeed/FSDP, ``auto_find_batch_size``,
 activation checkpointing, ``torch_compile``, ``compute_loss_func`` (a batch loss; pass
 ``per_sample_loss`` instead), ``model_init`` (hyperparameter search spends privacy that is not
-accounted), an ``IterableDataset``.
+accounted), an ``IterableDataset``, ``neftune_noise_alpha`` (its noise scale depends on the
+padded length of the batch), packed batches (``DataCollatorWithFlattening``: one row holds
+several records, which would be clipped as one).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ __all__ = [
     "DPTrainer",
     "PrivacyArguments",
     "PRIVACY_STATE_NAME",
+    "check_packing",
     "check_padding",
     "detect_task",
     "per_sample_loss",
@@ -384,6 +387,44 @@ def check_padding(batch: Mapping[str, Any]) -> None:
         )
 
 
+#: keys of a padding-free (packed) batch: the record boundaries inside a row
+#: (``DataCollatorWithFlattening``, TRL's ``padding_free``)
+_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _packed_error(what: str) -> ValueError:
+    """The refusal of packed batches (:func:`check_packing`); ``what`` says how they were found."""
+    return ValueError(
+        f"DPTrainer: the training batches are packed ({what}): several records share one row "
+        "(e.g. DataCollatorWithFlattening or a padding-free collator). Under DP-SGD the rows are "
+        "the records: the records of a row would be clipped together as one sample, so one "
+        "record could change the released gradient by up to 2C while the noise is calibrated "
+        "to C. Use a padding collator, one record per row (e.g. DataCollatorWithPadding, or "
+        "DataCollatorForLanguageModeling without flattening / padding_free)."
+    )
+
+
+def check_packing(batch: Mapping[str, Any]) -> None:
+    """Refuses a packed (padding-free) batch: one row holding several records, as
+    ``DataCollatorWithFlattening`` builds (the whole batch in one row ``[1, ΣL]``). It is
+    recognised by a key marking record boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``,
+    ``seq_idx``) or by ``position_ids`` that drop inside a row between two attended tokens (a
+    new record starts; padding, masked by ``attention_mask``, is not counted). DP-SGD clips
+    each *row* as one sample, so the records of a row would be clipped jointly: one record
+    could move the released sum by up to 2C while the noise is calibrated to C."""
+    found = [k for k in _PACKING_KEYS if k in batch]
+    pos = batch.get("position_ids")
+    if not found and isinstance(pos, torch.Tensor) and 1 <= pos.dim() <= 2 and pos.shape[-1] > 1:
+        drop = pos[..., 1:] < pos[..., :-1]
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.shape == pos.shape:
+            drop &= (mask[..., 1:] != 0) & (mask[..., :-1] != 0)
+        if bool(drop.any()):
+            found = ["position_ids restart inside a row"]
+    if found:
+        raise _packed_error(", ".join(found))
+
+
 def _derived_seed(seed: int, tag: str) -> int:
     digest = hashlib.sha256(f"dptorch:{seed}:{tag}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
@@ -548,6 +589,31 @@ class DPTrainer(Trainer):
                 stacklevel=3,
             )
 
+    def _check_before_training(self) -> None:
+        """Refuses, when ``train()`` starts (before NEFTune or the per-sample hooks touch the
+        model), what couples a record's clipped gradient to the other records of its batch:
+
+        * ``neftune_noise_alpha``: NEFTune adds embedding noise of half-width
+          ``alpha / sqrt(T·d)``, T the padded length of the batch, i.e. of its longest record;
+        * a ``DataCollatorWithFlattening`` (packed rows; :func:`check_packing` refuses any
+          other packed batch at the first training step)."""
+        alpha = getattr(self, "neftune_noise_alpha", None)
+        if alpha is None:
+            alpha = getattr(self.args, "neftune_noise_alpha", None)
+        if alpha is not None:
+            raise ValueError(
+                f"DPTrainer does not support NEFTune (neftune_noise_alpha={alpha!r}): its noise "
+                "scale alpha/sqrt(T*d) depends on the padded length T of the batch, i.e. on the "
+                "other records drawn with a record, so one record would change the others' "
+                "clipped gradients and the DP guarantee would not hold. Set "
+                "neftune_noise_alpha=None (DP-SGD already adds its own noise)."
+            )
+        collator = self.data_collator
+        if type(collator).__name__ == "DataCollatorWithFlattening" or getattr(
+            collator, "padding_free", False
+        ):
+            raise _packed_error(f"data_collator={type(collator).__name__}")
+
     def _train_collator_and_dataset(self) -> tuple[Any, Callable | None]:
         """The training set and collate function as ``Trainer`` would use them (unused columns
         removed)."""
@@ -656,6 +722,7 @@ class DPTrainer(Trainer):
         removed), so saving, evaluating, generating or training it further without DP behave
         as without dptorch. ``get_epsilon`` keeps answering; another ``train()`` wraps it again
         and continues the same accounting with the same σ."""
+        self._check_before_training()
         try:
             return super().train(*args, **kwargs)
         finally:
@@ -744,6 +811,7 @@ class DPTrainer(Trainer):
         self.dp_module.train()
         rows_after, logical = inputs.rows_after, inputs.logical_size
         batch = self._prepare_inputs(dict(inputs)) if len(inputs) else {}
+        check_packing(batch)
         check_padding(batch)
         rows = _rows(batch) if batch else 0
         physical = self._train_batch_size

@@ -400,3 +400,55 @@ def test_left_padding_is_refused_unless_positions_are_given(tmp_path):
                           noise_multiplier=1.0)
     trainer.train()
     assert len(trainer.privacy_engine.accountant) == 2
+
+
+def test_packed_batches_are_refused(tmp_path):
+    """A packed (padding-free) batch holds several records in one row; DP-SGD would clip them
+    as one sample. ``check_packing`` recognises the boundary keys and ``position_ids`` that drop
+    between two attended tokens of a row, and lets padded batches through (right padding with
+    masked positions, left padding with per-record positions). A custom packing collator is
+    refused at the first training step, before any update, NEFTune and a
+    ``DataCollatorWithFlattening`` when ``train()`` starts."""
+    from transformers import DataCollatorWithFlattening
+
+    from dptorch.integrations.transformers import check_packing
+
+    ids = torch.ones(1, 6, dtype=torch.long)
+    for packed in ({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])},
+                   {"input_ids": ids, "position_ids": torch.tensor([[2, 3, 4, 2, 3, 4]])},
+                   {"input_ids": ids, "position_ids": torch.tensor([0, 1, 0, 1, 2, 3])},
+                   {"input_ids": ids, "cu_seq_lens_q": torch.tensor([0, 3, 6])},
+                   {"input_ids": ids, "seq_idx": torch.tensor([[0, 0, 0, 1, 1, 1]])}):
+        with pytest.raises(ValueError, match="packed.*padding collator"):
+            check_packing(packed)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]])
+    for padded in ({"input_ids": ids.expand(2, 6), "attention_mask": mask},
+                   {"input_ids": ids.expand(2, 6), "attention_mask": mask,
+                    "position_ids": torch.tensor([[0, 1, 2, 3, 0, 0], [1, 1, 0, 1, 2, 3]])},
+                   {"input_ids": ids, "position_ids": torch.arange(6)[None]}):
+        check_packing(padded)
+
+    case = quiet_build("gpt2_padded")
+    before = {n: p.detach().clone() for n, p in case.model.named_parameters()}
+
+    def pack(features):
+        out = DataCollatorWithFlattening()(
+            [{k: f[k][f["attention_mask"].bool()] for k in ("input_ids", "labels")}
+             for f in features])
+        return {k: out[k] for k in ("input_ids", "labels", "position_ids")}
+
+    trainer, _ = _trainer(case, tmp_path, noise_multiplier=0.0,
+                          args={"remove_unused_columns": False})
+    trainer.data_collator = pack
+    with pytest.raises(ValueError, match=r"packed \(position_ids"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in case.model.named_parameters())
+    assert len(trainer.privacy_engine.accountant) == 0
+    trainer.data_collator = DataCollatorWithFlattening()
+    with pytest.raises(ValueError, match="data_collator=DataCollatorWithFlattening"):
+        trainer.train()
+    trainer.data_collator = None
+    trainer.args.neftune_noise_alpha = trainer.neftune_noise_alpha = 5.0
+    with pytest.raises(ValueError, match="NEFTune"):
+        trainer.train()
+    assert all(not m._forward_hooks for m in case.model.modules())

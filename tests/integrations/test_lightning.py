@@ -331,3 +331,40 @@ def test_missing_extras_name_the_extra(monkeypatch):
     with pytest.raises(ImportError, match=r"dptorch\[lightning\]"):
         importlib.import_module("dptorch.lightning")
     assert os.path.basename(importlib.import_module("dptorch").__file__) == "__init__.py"
+
+
+@pytest.mark.parametrize("where", ["init", "setup"])
+def test_manual_optimization_is_refused(ns, tmp_path, where):
+    """``automatic_optimization = False`` (the optimizer stepped inside ``training_step``) is
+    refused before any step, naming manual optimization, whether the module sets it in
+    ``__init__`` (seen in the callback's ``setup``) or in its own ``setup`` (which Lightning
+    runs after the callback's; seen when the optimizer is made private). The module is left
+    plain."""
+    name, pl = ns
+    from dptorch.integrations.lightning import DPCallback
+
+    DigitsModule, DigitsData = make_classes(pl)
+
+    class Manual(DigitsModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = where != "init"
+
+        def setup(self, stage):
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(F.cross_entropy(self.net(batch[0]), batch[1]))
+            opt.step()
+
+    model = Manual()
+    before = copy.deepcopy(model.state_dict())
+    cb = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0, namespace=name)
+    t = trainer(pl, tmp_path, [cb], max_epochs=1, limit_val_batches=0)
+    with pytest.raises(ValueError, match="manual optimization.*automatic_optimization"):
+        t.fit(model, datamodule=DigitsData(n=128))
+    assert cb.privacy_engine is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    _assert_plain(model)
