@@ -34,6 +34,7 @@ from .data_loader import (
     steps_per_pass,
 )
 from .distributed import disable_gradient_sync, is_distributed_module
+from .distributed_settings import engine_settings, settings_must_agree
 from .grad_sample import AbstractGradSampleModule
 from .grad_sample.fast_clipping_loss import DPLossFastGradientClipping
 from .grad_sample.gsm_base import forbid_accumulation_hook
@@ -179,11 +180,17 @@ class PrivacyEngine:
         **kwargs_check: Any,
     ) -> tuple:
         """:meth:`_check`, then the build (module docstring). ``calibrate(sample_rate=q,
-        num_records=N)`` gives the noise multiplier when ``a.noise_multiplier`` is ``None``."""
-        mode, distributed, n = self._check(a, kwargs, **kwargs_check)
-        q, plan = 1 / len(a.data_loader), a.plan
-        calibrate = with_truncation(plan, calibrate, a, q, n)
-        sigma = a.noise_multiplier if calibrate is None else calibrate(sample_rate=q, num_records=n)
+        num_records=N)`` gives the noise multiplier when ``a.noise_multiplier`` is ``None``.
+        Distributed: the ranks' DP settings must agree (:mod:`dptorch.distributed_settings`)."""
+        with settings_must_agree(is_distributed_module(a.module), where=kwargs_check["where"],
+                                 process_group=kwargs.get("process_group")) as agree:
+            mode, distributed, n = self._check(a, kwargs, **kwargs_check)
+            q, plan = 1 / len(a.data_loader), a.plan
+            calibrate = with_truncation(plan, calibrate, a, q, n)
+            sigma = a.noise_multiplier if calibrate is None else calibrate(sample_rate=q, num_records=n)
+            agree(engine_settings(a, kwargs, sample_rate=q, num_records=n, noise_multiplier=sigma,
+                                  expected_batch_size=expected_batch_size(n, q, distributed),
+                                  secure_mode=self.secure_mode))  # same on every rank
         optimizer = a.optimizer.original_optimizer if isinstance(a.optimizer, DPOptimizer) else a.optimizer
         dp_optimizer = mode.optimizer_class(a.clipping, distributed)(
             optimizer=optimizer,

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from ..distributed_settings import optimizer_settings, settings_must_agree
 from .optimizer import DPOptimizer
 
 #: Largest number of elements all-reduced in one flat buffer (bounds the extra memory).
@@ -97,6 +98,10 @@ class DistributedDPOptimizerMixin:
       ``loss_reduction="mean"`` (``expected_batch_size`` is per rank).
 
     Extra keyword argument: ``process_group`` (default: the world).
+
+    Construction is a collective (like ``DistributedDataParallel``'s): the ranks all-gather their
+    σ, C, expected batch size, reduction, secure mode and class and every rank raises the same
+    ``ValueError`` if they differ (:mod:`dptorch.distributed_settings`).
     """
 
     #: The rank that adds the noise.
@@ -105,7 +110,10 @@ class DistributedDPOptimizerMixin:
     def __init__(self, *args, process_group: dist.ProcessGroup | None = None, **kwargs):
         self.process_group = process_group
         self.rank, self.world_size = _require_process_group(process_group)
-        super().__init__(*args, **kwargs)
+        with settings_must_agree(True, process_group=process_group,
+                                 where=type(self).__name__) as agree:
+            super().__init__(*args, **kwargs)
+            agree(optimizer_settings(self))
 
     @property
     def is_noise_rank(self) -> bool:
