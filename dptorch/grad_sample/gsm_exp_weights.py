@@ -243,6 +243,7 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
         out = output if isinstance(output, torch.Tensor) else None
         if out is None or not out.requires_grad:
             return
+        out.register_hook(_refuse_create_graph)  # also a backward from an intermediate tensor
         if self._empty_forward:
             out.register_hook(partial(self._on_unit_backprops, None, module))
             return
@@ -309,7 +310,7 @@ def _refuse_create_graph(grad: torch.Tensor) -> None:
     ExpandedWeights' per-sample rules do not apply."""
     if torch.is_grad_enabled():
         raise ValueError(
-            "A backward pass with create_graph=True went through the model's output under "
+            "A backward pass with create_graph=True went through a layer of the model under "
             "grad_sample_mode='ew'. A loss built from that gradient (a gradient penalty, a double "
             "backward) reaches the weights through the backward graph, whose per-sample "
             "gradients ExpandedWeights does not compute, so it cannot be clipped per sample. "
