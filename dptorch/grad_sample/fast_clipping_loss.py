@@ -16,14 +16,11 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from .grad_sample_module_bk import GradSampleModuleBookKeeping
 from .grad_sample_module_fast_gradient_clipping import (
     GradSampleModuleFastGradientClipping,
 )
-from .use_trace import tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +111,8 @@ class DPTensorFastGradientClipping:
         if isinstance(self.module, GradSampleModuleBookKeeping):
             reduced.backward()
             return
+        if reduced.requires_grad:
+            self.module.check_param_uses(reduced)
         self.module.in_dp_backward = True
         try:
             self.module.norm_backward(reduced)
@@ -180,8 +179,7 @@ class DPLossFastGradientClipping:
         old = self.criterion.reduction
         self.criterion.reduction = "none"
         try:
-            with _NoParameterUse(self.module):
-                loss = self.criterion(*args, **kwargs)
+            loss = self.criterion(*args, **kwargs)
         finally:
             self.criterion.reduction = old
         if shape is not None and loss.dim() == 1 and loss.shape[0] == shape[0] * shape[1]:
@@ -201,26 +199,3 @@ class DPLossFastGradientClipping:
             loss = flat.mean(1) if self.loss_reduction == "mean" else flat.sum(1)
         return DPTensorFastGradientClipping(self.module, self.optimizer, loss, self.loss_reduction)
 
-
-class _NoParameterUse(TorchFunctionMode):
-    """Refuses any torch function called on a trainable parameter of ``module`` while the
-    criterion runs: no hook sees that use, so its gradient has no per-sample norm (ghost would
-    release it unclipped; bk refuses it only at backward)."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.ids = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for t in tensors_in((args, kwargs), 2):
-            name = self.ids.get(id(t))
-            if name is not None:
-                raise ValueError(
-                    f"The criterion uses the model's parameter {name} ({func.__name__}): a "
-                    "per-sample loss term computed from a parameter outside the model's forward "
-                    "pass is seen by no per-sample hook, so its gradient cannot be clipped. "
-                    "Compute it inside the model's forward (in a module that owns the "
-                    "parameter), or leave it out of the DP loss."
-                )
-        return func(*args, **kwargs)

@@ -30,6 +30,7 @@ from ..utils.fsdp_utils import refuse_fsdp_model
 from .functorch import ft_compute_per_sample_gradient, module_batch_first
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
 from .hf_adapters import install_adapters
+from .param_edges import NodeSet, param_consumers
 from .registry import GRAD_SAMPLERS
 from .step_record import PassRecord, StepRecord, register_record, unregister_record
 from .unit_params import own_parameters, sampled_parameters, trainable_signature, trainable_units
@@ -148,6 +149,8 @@ class GradSampleModule(AbstractGradSampleModule):
         self._expected_rows: int | None = None
         self._forward: _ForwardBatch | None = None
         self._trace: UseTrace | None = None
+        self._traced_consumers: set = NodeSet()  # ghost: see _sanction_consumers
+        self._consumers_spent = False
         self._trace_hooks: list = []
         self._trace_bsz: int | None = None
         self._trace_armed = True
@@ -190,9 +193,43 @@ class GradSampleModule(AbstractGradSampleModule):
                 self._finish_trace(check=not failed)
             if not failed:
                 self._forward.output_rows = output_batch_size(out, self.batch_first)
+                if self.autograd_forms_clipped_sum and self._module.training and (
+                    torch.is_grad_enabled() and self.hooks_enabled
+                ):
+                    self._sanction_consumers(out)
             return out
         finally:
             self._forward = None
+
+    def _sanction_consumers(self, out) -> None:
+        """Ghost: records the autograd nodes through which the parameters receive gradients in
+        this traced forward pass (:meth:`check_param_uses` accepts only those)."""
+        if self._consumers_spent:
+            self._traced_consumers, self._consumers_spent = NodeSet(), False
+        ids = {id(p) for p in self._module.parameters() if p.requires_grad}
+        self._traced_consumers.update(param_consumers(tensors_in(out), ids))
+
+    def check_param_uses(self, loss: torch.Tensor) -> None:
+        """Ghost, before the DP loss's backward passes: every operation through which a trainable
+        parameter receives a gradient from ``loss`` must come from a traced, hooked forward pass
+        of the module. A use elsewhere (the training loop, the criterion, an eval-mode call) has
+        no per-sample norm, and the second backward pass would release its gradient unclipped."""
+        names = {id(p): n for n, p in self._module.named_parameters() if p.requires_grad}
+        found = param_consumers([loss], set(names))
+        allowed, self._consumers_spent = self._traced_consumers, True
+        stray = [node for node in found if node not in allowed]
+        if stray:
+            params = sorted({names[id(nxt.variable)] for node in stray
+                             for nxt, _ in node.next_functions
+                             if nxt is not None and id(getattr(nxt, "variable", None)) in names})
+            raise ValueError(
+                f"The DP loss gets a gradient for {', '.join(params)} through "
+                f"{type(stray[0]).__name__}, an operation outside the model's hooked forward pass "
+                "(in the training loop, the criterion, or a call in eval mode or with the hooks "
+                "off): no per-sample hook sees that use, so grad_sample_mode='ghost' would release "
+                "its gradient unclipped. Use the parameter only inside the module that owns it, "
+                "called in train mode (or detach it / use torch.no_grad())."
+            )
 
     # ------------------------------------------------------------------ in place (wrap_model=False)
     def attach_to_module(self) -> None:

@@ -240,10 +240,12 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
     def _on_unit_forward(self, module: nn.Module, args, output) -> None:
         if not self.training or not torch.is_grad_enabled():
             return
+        for t in tensors_in(output):  # also a backward from an intermediate tensor
+            if t.requires_grad:
+                t.register_hook(_refuse_create_graph)
         out = output if isinstance(output, torch.Tensor) else None
         if out is None or not out.requires_grad:
             return
-        out.register_hook(_refuse_create_graph)  # also a backward from an intermediate tensor
         if self._empty_forward:
             out.register_hook(partial(self._on_unit_backprops, None, module))
             return
