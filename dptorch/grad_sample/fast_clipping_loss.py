@@ -113,22 +113,18 @@ class DPTensorFastGradientClipping:
             return
         if reduced.requires_grad:
             self.module.check_param_uses(reduced)
-        self.module.in_dp_backward = True
+        self.module.norm_backward(reduced)
+        bound = self.module.clipping.snapshot()
+        coef = self.module.get_clipping_coef()
+        b = self.loss_per_sample.shape[0]
+        coef = coef[:b].to(self.loss_per_sample.device, self.loss_per_sample.dtype)
+        weighted = (coef * self.loss_per_sample).sum()
+        self.module.disable_hooks()
         try:
-            self.module.norm_backward(reduced)
-            bound = self.module.clipping.snapshot()
-            coef = self.module.get_clipping_coef()
-            b = self.loss_per_sample.shape[0]
-            coef = coef[:b].to(self.loss_per_sample.device, self.loss_per_sample.dtype)
-            weighted = (coef * self.loss_per_sample).sum()
-            self.module.disable_hooks()
-            try:
-                if weighted.requires_grad:
-                    weighted.backward()
-            finally:
-                self.module.enable_hooks()
+            if weighted.requires_grad:
+                weighted.backward()
         finally:
-            self.module.in_dp_backward = False
+            self.module.enable_hooks()
         self.module.mark_clipped_pass(bound)
 
 

@@ -115,10 +115,8 @@ class GradSampleModule(AbstractGradSampleModule):
     #: would be released unclipped (ghost's second backward pass takes every use's gradient)
     TRACE_EVERY_PASS = False
     #: whether a second backward pass leaves the clipped sum to autograd (ghost), which then
-    #: takes the gradient of every use: unhooked calls are guarded (:meth:`_guard_unhooked`)
+    #: takes the gradient of every use: the uses are checked (:meth:`check_param_uses`)
     autograd_forms_clipped_sum = False
-    #: ``True`` while the DP loss runs its backward passes (read by those guards)
-    in_dp_backward = False
 
     def __init__(
         self,
@@ -441,11 +439,13 @@ class GradSampleModule(AbstractGradSampleModule):
     def _capture_call(self, module, args, kwargs, output):
         """Keeps this call's inputs and hooks the gradient of its first output; returns the new
         output where a batch dimension of size 1 was expanded to the batch (else ``None``)."""
-        if self._in_functorch or not torch.is_grad_enabled():
-            return None
-        if not self.hooks_enabled or not self.forward_hooks_enabled or not module.training:
-            if self.autograd_forms_clipped_sum:
-                self._guard_unhooked(module, output)
+        if (
+            not self.hooks_enabled
+            or not self.forward_hooks_enabled
+            or self._in_functorch
+            or not module.training
+            or not torch.is_grad_enabled()
+        ):
             return None
         out = _first_tensor(output)
         if out is None or not out.requires_grad:
@@ -469,26 +469,6 @@ class GradSampleModule(AbstractGradSampleModule):
         self.capture_activations_hook(module, activations, out, forward_kwargs=kwargs)
         out.register_hook(partial(self._on_backprops, module, activations, kwargs, self._forward))
         return new_output
-
-    def _guard_unhooked(self, module: nn.Module, output) -> None:
-        """A call of a sampled layer that is not hooked (eval mode, hooks off) with gradients
-        on: its parameters' gradient would reach ghost's second backward pass with no
-        per-sample norm behind it. Its outputs refuse the DP loss's backward passes."""
-        name = self._module_names.get(id(module), type(module).__name__)
-
-        def refuse(grad):
-            if self.in_dp_backward:
-                raise ValueError(
-                    f"The DP loss depends on a call of {name} ({type(module).__name__}) made "
-                    "without per-sample hooks (in eval mode, or with the hooks disabled) and "
-                    "with gradients on: grad_sample_mode='ghost' would release its parameters' "
-                    "gradient unclipped. Make that call in train mode with the hooks on, or "
-                    "under torch.no_grad() (or detach its output)."
-                )
-
-        for t in tensors_in(output):
-            if t.requires_grad:
-                t.register_hook(refuse)
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None

@@ -41,9 +41,9 @@ def _data():
     return torch.randn(B, 4, generator=g, dtype=DT) * 10, torch.randint(0, 3, (B,), generator=g)
 
 
-def _private(mode, criterion=None, **kw):
+def _private(mode, criterion=None, model=None, **kw):
     torch.manual_seed(0)
-    model = _MLP().to(DT)
+    model = model if model is not None else _MLP().to(DT)
     x, y = _data()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     extra = {} if criterion is None else {"criterion": criterion}

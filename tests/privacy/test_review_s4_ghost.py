@@ -18,38 +18,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
 
+from .test_review_s4_changes import _MLP, DT, B, C, _data, _private, _released_norm
+
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-DT = torch.float64
-C = 0.05
-B = 8
-
-
-class _MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 8)
-        self.b = nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
-
-
-def _data():
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(B, 4, generator=g, dtype=DT) * 10, torch.randint(0, 3, (B,), generator=g)
 
 
 def _ghost(criterion=None, model=None):
-    torch.manual_seed(0)
-    model = model if model is not None else _MLP().to(DT)
-    x, y = _data()
-    extra = {} if criterion is None else {"criterion": criterion}
-    gm, opt, crit, _ = PrivacyEngine(accountant="rdp").make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-        data_loader=DataLoader(TensorDataset(x, y), batch_size=B), noise_multiplier=0.0,
-        max_grad_norm=C, grad_sample_mode="ghost", **extra)
-    return model, gm, opt, crit
+    return _private("ghost", criterion, model=model)
 
 
 def _brute_norm(model) -> float:
@@ -63,13 +39,6 @@ def _brute_norm(model) -> float:
         c = min(1.0, C / (float(torch.sqrt(sum((t ** 2).sum() for t in g))) + 1e-6))
         total = [a + c * t for a, t in zip(total, g)]
     return float(torch.sqrt(sum((t ** 2).sum() for t in total))) / B
-
-
-def _released_norm(module, run) -> float:
-    before = [p.detach().clone() for p in module.parameters()]
-    run()
-    return float(torch.sqrt(sum((b - p.detach()).pow(2).sum()
-                                for b, p in zip(before, module.parameters()))))
 
 
 # ------------------------------------------------------------ 1. ghost: a term built outside
