@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -46,12 +47,37 @@ def compute_linear_grad_sample(
     return ret
 
 
-def _gram_norms(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` per sample for ``a: (B, T, d_in)``, ``g: (B, T, d_out)``."""
+#: ``(output gradient, its version, its Gram)`` of the last ghost norm: layers fed the same
+#: output-gradient tensor (a recurrent cell's input and hidden projections, whose gradients are
+#: both the gates' gradient) compute its ``(B, T, T)`` Gram once
+_last_gram: tuple[weakref.ref, int, torch.Tensor] | None = None
+
+
+def _output_gram(backprops: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g gᵀ`` ``(B, T, T)`` for ``g`` ``(B, T, d_out)``, a view of ``backprops``; reused while
+    the next call gets the same, unmodified ``backprops`` object."""
+    global _last_gram
+    last = _last_gram
+    if last is not None and last[0]() is backprops and last[1] == backprops._version:
+        return last[2]
+    gg = torch.bmm(g, g.transpose(1, 2))
+    _last_gram = (weakref.ref(backprops, _forget_gram), backprops._version, gg)
+    return gg
+
+
+def _forget_gram(ref: weakref.ref) -> None:
+    global _last_gram
+    if _last_gram is not None and _last_gram[0] is ref:
+        _last_gram = None
+
+
+def _gram_norms(a: torch.Tensor, g: torch.Tensor, gg: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` per sample for ``a: (B, T, d_in)``, ``g: (B, T, d_out)``
+    (``gg``: ``g gᵀ`` if already known)."""
     if a.shape[1] == 1:
         return sq_sum(a, (1, 2)) * sq_sum(g, (1, 2))
     aa = torch.bmm(a, a.transpose(1, 2))
-    gg = torch.bmm(g, g.transpose(1, 2))
+    gg = torch.bmm(g, g.transpose(1, 2)) if gg is None else gg
     return (aa * gg).sum((1, 2))
 
 
@@ -70,7 +96,8 @@ def compute_linear_norm_sq_sample(
     ret: ParamDict = {}
     if wants_grad(layer.weight):
         if ghost_is_cheaper(a3.shape[1], a3.shape[2], g3.shape[2]):
-            ret[layer.weight] = _gram_norms(a3, g3)
+            gg = _output_gram(backprops, g3) if t > 1 else None
+            ret[layer.weight] = _gram_norms(a3, g3, gg)
         else:
             ret[layer.weight] = sq_norms(torch.bmm(g3.transpose(1, 2), a3))
     if wants_grad(layer.bias):

@@ -233,7 +233,13 @@ class DPRNNBase(RenameParamsMixin, nn.Module):
 
     Submodules ``l{k}`` / ``l{k}_reverse`` hold the cells; their parameters are published under
     torch's names (``weight_ih_l0``, ``bias_hh_l1_reverse``, ``weight_hr_l0``...).
+
+    Outside DP training (nothing hooks the cells' projections) the layer runs torch's own fused
+    kernel on the same parameters, as fast as ``nn.LSTM``; ``use_native_kernel = False`` keeps
+    the decomposed recurrence everywhere (the one a ``GradSampleModule`` sees).
     """
+
+    use_native_kernel: bool = True
 
     def __init__(
         self,
@@ -356,6 +362,9 @@ class DPRNNBase(RenameParamsMixin, nn.Module):
                 raise TypeError(f"{type(self).__name__}: pass state_init or hx, not both")
             state_init = hx
         h0, c0 = self._initial_states(x, state_init, is_lstm, unbatched)
+        native = self._native_kernel(x)
+        if native is not None:
+            return self._forward_native(native, input, x, h0, c0, unbatched)
 
         h_n, c_n = [], []
         layer_in = x
@@ -385,6 +394,62 @@ class DPRNNBase(RenameParamsMixin, nn.Module):
         else:
             output = layer_in if self.batch_first else layer_in.transpose(0, 1)
         return output, hidden
+
+    # ------------------------------------------------------------------ torch's kernel
+    def _native_kernel(self, x: torch.Tensor):
+        """torch's fused function for this layer (``torch.lstm``, ``torch.gru``,
+        ``torch.rnn_tanh``, ``torch.rnn_relu``) when nothing observes the layer's
+        :class:`RNNLinear` calls, so the result and every gradient are the same function of the
+        same parameters computed faster (oneDNN); ``None`` when the calls must run: a hook on a
+        projection (a ``GradSampleModule``'s, or anyone's), a global module hook, a replaced
+        ``forward`` (bk), a tensor-subclass parameter (ExpandedWeights), a ``torch.func``
+        transform, a custom cell class, a non-CPU device (not measured there), or
+        ``use_native_kernel = False``."""
+        cell_type = type(self.l0)
+        kernel = _NATIVE_KERNELS.get(cell_type)
+        if kernel is None or not self.use_native_kernel or x.device.type != "cpu":
+            return None
+        if cell_type is DPRNNCell:
+            kernel = torch.rnn_tanh if self.l0.nonlinearity == "tanh" else torch.rnn_relu
+        if torch._C._functorch.maybe_current_level() is not None or _global_module_hooks():
+            return None
+        for cell in self.cells:
+            if type(cell) is not cell_type:
+                return None
+            for lin in cell.children():
+                if type(lin) is not RNNLinear or "forward" in lin.__dict__ or _has_hooks(lin):
+                    return None
+                if any(type(p) is not nn.Parameter for p in lin.parameters(recurse=False)):
+                    return None
+        return kernel
+
+    def _forward_native(self, kernel, input, x, h0, c0, unbatched: bool):
+        """:meth:`forward` by torch's ``kernel`` on the same parameters, in torch's order."""
+        flat = []
+        for cell in self.cells:
+            flat += [cell.ih.weight, cell.hh.weight]
+            if self.bias:
+                flat += [cell.ih.bias, cell.hh.bias]
+            if self.proj_size:
+                flat.append(cell.hr.weight)
+        is_lstm = c0 is not None
+        args = (flat, self.bias, self.num_layers, self.dropout, self.training, self.bidirectional)
+        if isinstance(input, PackedSequence):
+            order, back = input.sorted_indices, input.unsorted_indices
+            hx = [h0, c0] if is_lstm else h0
+            if order is not None:
+                hx = [h.index_select(1, order) for h in hx] if is_lstm else hx.index_select(1, order)
+            out, *hidden = kernel(input.data, input.batch_sizes, hx, *args)
+            if back is not None:
+                hidden = [h.index_select(1, back) for h in hidden]
+            output = PackedSequence(out, input.batch_sizes, order, back)
+        else:
+            out, *hidden = kernel(x, [h0, c0] if is_lstm else h0, *args, True)
+            if unbatched:
+                output, hidden = out.squeeze(0), [h.squeeze(1) for h in hidden]
+            else:
+                output = out if self.batch_first else out.transpose(0, 1)
+        return output, (tuple(hidden) if is_lstm else hidden[0])
 
     def _initial_states(self, x: torch.Tensor, hx, is_lstm: bool, unbatched: bool):
         n = self.num_layers * self.num_directions
@@ -649,6 +714,32 @@ def _run_lstm(
     return out, (h_n, c_n)
 
 
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return any(getattr(module, name, None) for name in _HOOK_DICTS)
+
+
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module as m
+
+    return any(
+        getattr(m, name, None)
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    )
+
+
 def _check_hidden(layer: str, name: str, h: torch.Tensor, expected: tuple) -> None:
     if tuple(h.shape) != expected:
         raise RuntimeError(f"{layer}: expected {name} of size {expected}, got {tuple(h.shape)}")
@@ -745,3 +836,6 @@ class DPLSTM(_DPRNNTorchSignature):
     (see :class:`DPRNNBase`)."""
 
     cell_class = DPLSTMCell
+
+
+_NATIVE_KERNELS = {DPLSTMCell: torch.lstm, DPGRUCell: torch.gru, DPRNNCell: torch.rnn_tanh}

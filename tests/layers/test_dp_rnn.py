@@ -16,11 +16,13 @@ from dptorch.layers import DPGRU, DPLSTM, DPRNN
 PAIRS = {"lstm": (DPLSTM, nn.LSTM), "gru": (DPGRU, nn.GRU), "rnn": (DPRNN, nn.RNN)}
 
 
-def make_pair(kind, dtype=torch.float32, **kw):
+def make_pair(kind, dtype=torch.float32, path="native", **kw):
     dp_cls, t_cls = PAIRS[kind]
     ref = t_cls(**kw).to(dtype)
     dp = dp_cls(**kw).to(dtype)
     dp.load_state_dict(ref.state_dict())
+    dp.use_native_kernel = path == "native"
+    assert (dp._native_kernel(torch.zeros(1, 1, kw["input_size"])) is None) == (path != "native")
     return dp, ref
 
 
@@ -65,12 +67,17 @@ def initial_state(kind, kw, b, dtype=torch.float32):
     return h
 
 
-@settings(max_examples=12, deadline=None)
-@given(c=config, with_hx=st.booleans(), seed=st.integers(0, 2**16))
-def test_forward_matches_torch(c, with_hx, seed):
+@settings(max_examples=16, deadline=None)
+@given(
+    c=config,
+    with_hx=st.booleans(),
+    seed=st.integers(0, 2**16),
+    path=st.sampled_from(["native", "decomposed"]),
+)
+def test_forward_matches_torch(c, with_hx, seed, path):
     torch.manual_seed(seed)
     kw = layer_kwargs(c)
-    dp, ref = make_pair(c["kind"], **kw)
+    dp, ref = make_pair(c["kind"], path=path, **kw)
     b, t = 3, 5
     x = torch.randn((b, t, 3) if c["batch_first"] else (t, b, 3))
     hx = initial_state(c["kind"], kw, b) if with_hx else None
@@ -83,11 +90,12 @@ def test_forward_matches_torch(c, with_hx, seed):
         torch.testing.assert_close(dp(x, hx)[0], out_ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["native", "decomposed"])
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
-def test_packed_unsorted_and_unbatched_match_torch(kind):
+def test_packed_unsorted_and_unbatched_match_torch(kind, path):
     torch.manual_seed(1)
     kw = dict(input_size=3, hidden_size=4, num_layers=2, bidirectional=True, batch_first=True)
-    dp, ref = make_pair(kind, **kw)
+    dp, ref = make_pair(kind, path=path, **kw)
     lengths = torch.tensor([2, 5, 1, 4])
     x = torch.randn(4, 5, 3)
     packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
@@ -250,3 +258,32 @@ def test_dropout_between_layers_only_in_training():
     dp.train()
     outs = torch.stack([dp(x)[0] for _ in range(3)])
     assert not torch.allclose(outs[0], outs[1])  # random masks
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "bk"])
+def test_torch_kernel_only_while_nothing_observes_the_projections(mode):
+    """Unobserved, DPLSTM runs torch's kernel; once a GradSampleModule (any mode), a hook of
+    anyone's, a global module hook or a torch.func transform watches the RNNLinear calls, it
+    runs its own recurrence, so every per-sample hook sees them."""
+    from dptorch.grad_sample import wrap_model
+
+    dp = DPLSTM(3, 4, batch_first=True)
+    x = torch.randn(2, 5, 3)
+    assert dp._native_kernel(x) is torch.lstm
+    assert DPGRU(3, 4)._native_kernel(x) is torch.gru
+    assert DPRNN(3, 4, nonlinearity="relu")._native_kernel(x) is torch.rnn_relu
+    gsm = wrap_model(nn.Sequential(dp), mode, batch_first=True, loss_reduction="sum")
+    assert dp._native_kernel(x) is None
+    gsm._close()
+    assert dp._native_kernel(x) is torch.lstm
+    handle = dp.l0.hh.register_forward_pre_hook(lambda *a: None)
+    assert dp._native_kernel(x) is None
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *a: None)
+    assert dp._native_kernel(x) is None
+    handle.remove()
+    seen = []
+    torch.func.vmap(lambda xi: seen.append(dp._native_kernel(xi)) or xi)(x)
+    assert seen == [None]
+    dp.use_native_kernel = False
+    assert dp._native_kernel(x) is None

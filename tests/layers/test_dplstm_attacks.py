@@ -68,14 +68,23 @@ ODD = [
 ]
 
 
+def _observed(dp: DPLSTM, path: str) -> DPLSTM:
+    """``"decomposed"``: the layer's own recurrence (what a GradSampleModule sees);
+    ``"native"``: torch's kernel."""
+    dp.use_native_kernel = path == "native"
+    assert (dp._native_kernel(torch.zeros(1, 1, 1)) is None) == (path == "decomposed")
+    return dp
+
+
+@pytest.mark.parametrize("path", ["decomposed", "native"])
 @pytest.mark.parametrize("case", ODD)
-def test_odd_configurations_match_torch(case):
+def test_odd_configurations_match_torch(case, path):
     """Outputs and the gradients of x, every parameter, h_0 and c_0 are nn.LSTM's."""
     kw, b, t, lengths, hx_grad, use, enforce_sorted = case
     torch.manual_seed(0)
     kw = dict(input_size=IN, **kw)
     ref = nn.LSTM(**kw).to(DT)
-    dp = DPLSTM(**kw).to(DT)
+    dp = _observed(DPLSTM(**kw).to(DT), path)
     dp.load_state_dict(ref.state_dict())
     n = kw.get("num_layers", 1) * (2 if kw.get("bidirectional") else 1)
     x0 = torch.randn(b, t, IN, dtype=DT)
@@ -105,7 +114,7 @@ def test_retain_graph_second_backward_packed():
     saved values into coefficients in place) accumulate torch's gradients."""
     torch.manual_seed(0)
     kw = dict(input_size=IN, hidden_size=H, batch_first=True, bidirectional=True, num_layers=2)
-    ref, dp = nn.LSTM(**kw).to(DT), DPLSTM(**kw).to(DT)
+    ref, dp = nn.LSTM(**kw).to(DT), _observed(DPLSTM(**kw).to(DT), "decomposed")
     dp.load_state_dict(ref.state_dict())
     x0, lengths = torch.randn(4, 5, IN, dtype=DT), torch.tensor([2, 5, 1, 3])
     got = []
@@ -384,9 +393,13 @@ def test_dp_packed_with_input_dependent_state(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("change", ["freeze", "unfreeze", "max_grad_norm"])
+@pytest.mark.parametrize("change", ["freeze", "unfreeze", "unfreeze_lstm", "max_grad_norm"])
 def test_dp_changes_after_make_private(mode, change):
+    """``unfreeze_lstm``: the whole DPLSTM frozen at make_private has no hook, so unobserved it
+    would run torch's kernel; unfrozen, its calls must be hooked again before it runs."""
     hh = ("weight_hh_l0", "bias_hh_l0")
+    if change == "unfreeze_lstm":
+        hh += ("weight_ih_l0", "bias_ih_l0")
 
     def set_hh(models, flag):
         for m in models:
@@ -396,13 +409,15 @@ def test_dp_changes_after_make_private(mode, change):
     torch.manual_seed(1)
     model = Net().to(DT)
     ref = copy.deepcopy(model)
-    if change == "unfreeze":
+    if change.startswith("unfreeze"):
         set_hh([model, ref], False)
     ds = _data()
     module, opt, crit, _ = _private(mode, model, ds, c=10.0 if change == "max_grad_norm" else C)
+    if change == "unfreeze_lstm":
+        assert model.lstm._native_kernel(torch.zeros(1, 1, IN)) is not None
     if change == "freeze":
         set_hh([model, ref], False)
-    elif change == "unfreeze":
+    elif change.startswith("unfreeze"):
         set_hh([model, ref], True)
     else:
         opt.max_grad_norm = C

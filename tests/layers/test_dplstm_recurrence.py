@@ -201,13 +201,18 @@ def test_learned_initial_state_under_functorch():
     hidden=st.integers(1, 5),
     bidirectional=st.booleans(),
     seed=st.integers(0, 2**16),
+    native=st.booleans(),
 )
-def test_nonprivate_gradients_and_double_backward_match_torch(b, t, hidden, bidirectional, seed):
+def test_nonprivate_gradients_and_double_backward_match_torch(
+    b, t, hidden, bidirectional, seed, native
+):
     """Outside DP training, DPLSTM's outputs and parameter and input gradients are torch's,
-    also when the graph is retained and back-propagated twice."""
+    also when the graph is retained and back-propagated twice (both with torch's kernel and
+    with the layer's own recurrence)."""
     torch.manual_seed(seed)
     ref = nn.LSTM(IN, hidden, bidirectional=bidirectional, batch_first=True).double()
     dp = DPLSTM(IN, hidden, bidirectional=bidirectional, batch_first=True).double()
+    dp.use_native_kernel = native
     dp.load_state_dict(ref.state_dict())
     x = torch.randn(b, t, IN, dtype=torch.float64)
     w = torch.randn(b, t, (2 if bidirectional else 1) * hidden, dtype=torch.float64)
@@ -229,6 +234,7 @@ def test_fast_recurrence_is_the_path_taken(monkeypatch):
     real = dp_rnn._LSTMRecurrence.apply
     monkeypatch.setattr(dp_rnn._LSTMRecurrence, "apply", lambda *a: calls.append(1) or real(*a))
     ref, dp, w, xs, x, hx = _case(7, True, True, 2, True, True, True)
+    dp.use_native_kernel = False
     copy.deepcopy(Probe(dp, w, True))(x, hx).sum().backward()
     assert len(calls) == 4  # two layers, two directions
 
@@ -239,8 +245,9 @@ def test_fast_recurrence_is_the_path_taken(monkeypatch):
     bidirectional=st.booleans(),
     num_layers=st.integers(1, 2),
     seed=st.integers(0, 2**16),
+    native=st.booleans(),
 )
-def test_initial_state_gradient_matches_torch(kind, bidirectional, num_layers, seed):
+def test_initial_state_gradient_matches_torch(kind, bidirectional, num_layers, seed, native):
     """The gradient reaching a given initial state ``h_0`` (e.g. a learned one, or the state of
     an earlier call) is torch's, on both recurrences (it was once counted twice)."""
     from dptorch.layers import DPGRU, DPRNN
@@ -254,6 +261,7 @@ def test_initial_state_gradient_matches_torch(kind, bidirectional, num_layers, s
                      "gru": (nn.GRU, DPGRU), "rnn": (nn.RNN, DPRNN)}[kind]
     ref, dp = t_cls(**kw).double(), dp_cls(**kw).double()
     dp.load_state_dict(ref.state_dict())
+    dp.use_native_kernel = native
     n = num_layers * (2 if bidirectional else 1)
     x = torch.randn(3, 4, IN, dtype=torch.float64)
     h0 = torch.randn(n, 3, kw.get("proj_size", H), dtype=torch.float64)
