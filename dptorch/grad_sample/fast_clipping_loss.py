@@ -113,6 +113,7 @@ class DPTensorFastGradientClipping:
             return
         if reduced.requires_grad:
             self.module.check_param_uses(reduced)
+        self.module.check_grads_untouched()
         self.module.norm_backward(reduced)
         bound = self.module.clipping.snapshot()
         coef = self.module.get_clipping_coef()

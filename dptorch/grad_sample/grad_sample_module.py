@@ -30,7 +30,7 @@ from ..utils.fsdp_utils import refuse_fsdp_model
 from .functorch import ft_compute_per_sample_gradient, module_batch_first
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
 from .hf_adapters import install_adapters
-from .param_edges import NodeSet, param_consumers
+from .param_edges import is_sanctioned, next_sequence_nr, param_consumers, sanction
 from .registry import GRAD_SAMPLERS
 from .step_record import PassRecord, StepRecord, register_record, unregister_record
 from .unit_params import own_parameters, sampled_parameters, trainable_signature, trainable_units
@@ -147,8 +147,8 @@ class GradSampleModule(AbstractGradSampleModule):
         self._expected_rows: int | None = None
         self._forward: _ForwardBatch | None = None
         self._trace: UseTrace | None = None
-        self._traced_consumers: set = NodeSet()  # ghost: see _sanction_consumers
-        self._consumers_spent = False
+        self._consumer_generation = 0  # ghost: see _sanction_consumers
+        self._seq_floor = 0
         self._trace_hooks: list = []
         self._trace_bsz: int | None = None
         self._trace_armed = True
@@ -180,6 +180,8 @@ class GradSampleModule(AbstractGradSampleModule):
         if training and self._trainable_signature != trainable_signature(self._module):
             self._refresh_units()
         self._forward = _ForwardBatch(infer_batch_size(args, kwargs, self.batch_first))
+        if training and self.autograd_forms_clipped_sum:
+            self._seq_floor = next_sequence_nr()
         if training and self._trace_armed:
             self._start_trace(args, kwargs)
 
@@ -200,12 +202,13 @@ class GradSampleModule(AbstractGradSampleModule):
             self._forward = None
 
     def _sanction_consumers(self, out) -> None:
-        """Ghost: records the autograd nodes through which the parameters receive gradients in
-        this traced forward pass (:meth:`check_param_uses` accepts only those)."""
-        if self._consumers_spent:
-            self._traced_consumers, self._consumers_spent = NodeSet(), False
+        """Ghost: marks the autograd nodes created in this traced forward pass through which the
+        parameters receive gradients (:meth:`check_param_uses` accepts only those, once). Nodes
+        made before the pass began (a parameter term of the input, an eval-mode call's output,
+        a parameter view made outside) are not marked."""
         ids = {id(p) for p in self._module.parameters() if p.requires_grad}
-        self._traced_consumers.update(param_consumers(tensors_in(out), ids))
+        nodes = param_consumers(tensors_in(out), ids)
+        sanction(nodes, self, self._consumer_generation, self._seq_floor)
 
     def check_param_uses(self, loss: torch.Tensor) -> None:
         """Ghost, before the DP loss's backward passes: every operation through which a trainable
@@ -213,9 +216,20 @@ class GradSampleModule(AbstractGradSampleModule):
         of the module. A use elsewhere (the training loop, the criterion, an eval-mode call) has
         no per-sample norm, and the second backward pass would release its gradient unclipped."""
         names = {id(p): n for n, p in self._module.named_parameters() if p.requires_grad}
+        hooked = [n for n, p in self._module.named_parameters() if p.requires_grad and (
+            getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
+        )]
+        if hooked:
+            raise ValueError(
+                f"{', '.join(hooked)} has a gradient hook (register_hook or "
+                "register_post_accumulate_grad_hook): in grad_sample_mode='ghost' it would run on "
+                "the clipped sum, after clipping, and could change what is released. Remove the "
+                "hook, or use grad_sample_mode='bk' or 'hooks'."
+            )
         found = param_consumers([loss], set(names))
-        allowed, self._consumers_spent = self._traced_consumers, True
-        stray = [node for node in found if node not in allowed]
+        generation = self._consumer_generation
+        self._consumer_generation += 1  # spent: a second DP loss needs a new forward pass
+        stray = [node for node in found if not is_sanctioned(node, self, generation)]
         if stray:
             params = sorted({names[id(nxt.variable)] for node in stray
                              for nxt, _ in node.next_functions
@@ -223,10 +237,12 @@ class GradSampleModule(AbstractGradSampleModule):
             raise ValueError(
                 f"The DP loss gets a gradient for {', '.join(params)} through "
                 f"{type(stray[0]).__name__}, an operation outside the model's hooked forward pass "
-                "(in the training loop, the criterion, or a call in eval mode or with the hooks "
-                "off): no per-sample hook sees that use, so grad_sample_mode='ghost' would release "
-                "its gradient unclipped. Use the parameter only inside the module that owns it, "
-                "called in train mode (or detach it / use torch.no_grad())."
+                "(in the training loop, the criterion, the model's input, a call in eval mode or "
+                "with the hooks off, or a forward pass whose loss was already back-propagated): "
+                "no per-sample hook sees that use in this pass, so grad_sample_mode='ghost' would "
+                "release its gradient unclipped. Use the parameter only inside the module that "
+                "owns it, called in train mode, and one DP backward per forward pass (or detach "
+                "it / use torch.no_grad())."
             )
 
     # ------------------------------------------------------------------ in place (wrap_model=False)
@@ -369,6 +385,7 @@ class GradSampleModule(AbstractGradSampleModule):
     def zero_grad(self, set_to_none: bool = False) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self.record.reset()
+        self.record.mark_zeroed(self._module.parameters())
 
     @contextlib.contextmanager
     def public_pass(self):
@@ -624,8 +641,12 @@ class GradSampleModule(AbstractGradSampleModule):
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self._on_pass_start()
             self._pass = PassRecord(public=self._public_depth > 0)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_pass_start(self) -> None:
+        """At the first hook of a backward pass (no parameter gradient of it accumulated yet)."""
 
     def _take_pass(self) -> PassRecord:
         """Ends the pass: its record is appended to :attr:`record`."""

@@ -155,11 +155,9 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         self._reached[id(p)] = p
         return torch.zeros_like(grad)
 
-    def _param_name(self, p: nn.Parameter) -> str:
-        for name, q in self._module.named_parameters():
-            if q is p:
-                return f"parameter {name}"
-        return f"a parameter of shape {tuple(p.shape)}"
+    def _on_pass_start(self) -> None:
+        if self.hooks_enabled and self.backward_hooks_enabled:
+            self.check_grads_untouched()
 
     # ------------------------------------------------------------------ capture
     def _use_norm_sampler(self, module, activations, backprops) -> bool:

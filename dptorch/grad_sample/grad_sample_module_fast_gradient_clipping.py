@@ -184,6 +184,11 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         """Flat clip factors ``min(1, C / (‖g_b‖ + 1e-6))`` of the last backward pass, ``(B,)``."""
         return self.clipping.flat_factors(self.per_sample_gradient_norms)
 
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Also drops the kept outputs of forward passes that were never back-propagated."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._outputs = []
+
     def del_grad_sample(self) -> None:
         """Removes per-sample norms, pass counters and kept outputs (see ``gsm_base``)."""
         super().del_grad_sample()
@@ -396,6 +401,39 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             )
         if not self.grad_accumulation_allowed and sum(r.clipped for r in self.record.passes) > 1:
             raise ValueError(ACCUMULATION_FORBIDDEN_MESSAGE)
+
+    def _param_name(self, p: nn.Parameter) -> str:
+        for name, q in self._module.named_parameters():
+            if q is p:
+                return f"parameter {name}"
+        return f"a parameter of shape {tuple(p.shape)}"
+
+    def check_grads_untouched(self) -> None:
+        """Before a clipped sum is added to ``p.grad``: ``p.grad`` must be what the step's last
+        clipped pass left there, or (first pass of the step) ``None`` or zero. Anything else was
+        written by a backward pass no per-sample hook clipped (hooks off, a plain ``backward()``
+        of another loss) and would be released with the clipped sum."""
+        last = next(
+            (r.grad_state for r in reversed(self.record.passes)
+             if r.clipped and r.grad_state is not None),
+            None,
+        )
+        expected = self.record.zeroed if last is None else last
+        # without a host sync when p.grad is unset or as zero_grad / the last pass left it
+        unknown = [p for p in self.trainable_parameters() if p.grad is not None and (
+            id(p) not in expected or grad_state(p) != expected[id(p)])]
+        if last is not None:
+            bad = [p for p in unknown if id(p) in last]
+        else:
+            bad = [p for p in unknown if bool(p.grad.any())]
+        if bad:
+            raise ValueError(
+                f"{', '.join(self._param_name(p) for p in bad[:4])} already had a gradient when "
+                "this DP backward pass began (a backward pass with the hooks disabled, or a plain "
+                "loss.backward() of another loss): it was not clipped per sample and would be "
+                "released with the clipped sum. Call optimizer.zero_grad() before the DP "
+                "backward pass, and back-propagate every loss term through the DP loss."
+            )
 
     def mark_clipped_pass(self, bound=None) -> None:
         """Records that ``p.grad`` now holds the clipped sum of the last pass, clipped with

@@ -57,6 +57,8 @@ def _output_gram(backprops: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``g gᵀ`` ``(B, T, T)`` for ``g`` ``(B, T, d_out)``, a view of ``backprops``; reused while
     the next call gets the same, unmodified ``backprops`` object."""
     global _last_gram
+    if backprops.is_inference():  # no version counter
+        return torch.bmm(g, g.transpose(1, 2))
     last = _last_gram
     if last is not None and last[0]() is backprops and last[1] == backprops._version:
         return last[2]

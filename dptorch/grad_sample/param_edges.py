@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["NodeSet", "param_consumers"]
+__all__ = ["is_sanctioned", "next_sequence_nr", "param_consumers", "sanction"]
 
 
 def param_consumers(roots: Iterable[torch.Tensor], param_ids: set[int]) -> set:
@@ -34,12 +34,24 @@ def param_consumers(roots: Iterable[torch.Tensor], param_ids: set[int]) -> set:
     return out
 
 
-class NodeSet(set):
-    """A set of autograd nodes kept on a module: copies and pickles of the module get an empty
-    one (nodes cannot be copied, and belong to the original's graph)."""
+def next_sequence_nr() -> int:
+    """The sequence number the next autograd node created on this thread will have at least:
+    nodes created before this call have smaller numbers."""
+    with torch.enable_grad():
+        return torch.empty((), requires_grad=True).view(()).grad_fn._sequence_nr()
 
-    def __deepcopy__(self, memo) -> NodeSet:
-        return NodeSet()
 
-    def __reduce__(self):
-        return (NodeSet, ())
+#: key of :func:`sanction` in a node's ``metadata``
+_KEY = "dptorch_sanctioned"
+
+
+def sanction(nodes: Iterable, owner: object, generation: int, floor: int) -> None:
+    """Marks the nodes created at or after sequence number ``floor`` as sanctioned by ``owner``
+    in ``generation`` (kept in the node's own ``metadata``: nothing holds the graph alive)."""
+    for node in nodes:
+        if node._sequence_nr() >= floor:
+            node.metadata[_KEY] = (id(owner), generation)
+
+
+def is_sanctioned(node, owner: object, generation: int) -> bool:
+    return node.metadata.get(_KEY) == (id(owner), generation)

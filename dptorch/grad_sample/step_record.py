@@ -65,6 +65,8 @@ class StepRecord:
         self.consumed = False
         self.released = False
         self.clipped_in_place = False
+        #: :func:`grad_state` of each parameter right after ``zero_grad`` zeroed ``p.grad``
+        self.zeroed: dict[int, tuple[int, int] | None] = {}
 
     # written by the module ------------------------------------------------------------------
     def add_pass(self, rec: PassRecord) -> None:
@@ -90,6 +92,11 @@ class StepRecord:
         self.consumed = False
         self.released = False
         self.clipped_in_place = False
+        self.zeroed = {}
+
+    def mark_zeroed(self, params: Iterable[torch.Tensor]) -> None:
+        """``zero_grad`` just zeroed (or unset) the ``p.grad`` of ``params``."""
+        self.zeroed.update((id(p), grad_state(p)) for p in params)
 
     @property
     def covered(self) -> set[int]:

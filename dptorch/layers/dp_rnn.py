@@ -24,6 +24,7 @@ in the original order and are exact. Outputs are packed again with the input's m
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,11 +33,31 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .param_rename import RenameParamsMixin
 
 State = tuple[torch.Tensor, ...]
+
+
+def _first_order(backward):
+    """Refuses a ``create_graph`` backward (outside ``torch.func``, whose transforms replay
+    the general recurrence): the recurrence's recorded states are values, so second
+    derivatives through them would be silently missing."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled() and torch._C._functorch.maybe_current_level() is None:
+            raise RuntimeError(
+                "DPLSTM/DPGRU/DPRNN: a backward pass with create_graph=True (a gradient penalty, "
+                "a double backward) through the layer's own recurrence, whose recorded states "
+                "carry no second derivatives. Outside DP training on a CPU the layer runs torch's "
+                "kernel, which supports it; otherwise use torch's nn.LSTM/GRU/RNN for that term."
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
 
 
 class RNNLinear(nn.Linear):
@@ -87,6 +108,7 @@ class _GivenLinear(torch.autograd.Function):
         return given.view_as(given)
 
     @staticmethod
+    @_first_order
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         gx = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[1] else None
@@ -114,6 +136,7 @@ class _TieHidden(torch.autograd.Function):
         ctx.save_for_backward(inputs[2])
 
     @staticmethod
+    @_first_order
     def backward(ctx, grad: torch.Tensor):
         (weight,) = ctx.saved_tensors
         return grad, grad @ weight, None
@@ -333,6 +356,14 @@ class DPRNNBase(RenameParamsMixin, nn.Module):
         ``hidden_size``), zeros if ``None``. Returns ``(output, h_n)`` (LSTM: ``(h_n, c_n)``),
         ``output`` of feature size ``num_directions * H_out`` and ``h_n`` in the original order.
         """
+        if parametrize.is_parametrized(self):
+            names = ", ".join(self.parametrizations.keys())
+            raise ValueError(
+                f"{type(self).__name__}: {names} is parametrized under torch's name, but the "
+                "layer computes with its cells' weights (l0.ih.weight, l0.hh.weight...), so the "
+                "parametrization would be ignored. Parametrize the cell's weight instead, e.g. "
+                "weight_norm(layer.l0.hh, 'weight') for weight_hh_l0."
+            )
         is_lstm = self.l0.has_cell_state
         packed = isinstance(input, PackedSequence)
         mask = None
@@ -662,6 +693,7 @@ class _LSTMRecurrence(torch.autograd.Function):
         torch.addcmul(tmp, tmp, o, value=-1, out=o)
 
     @staticmethod
+    @_first_order
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_out, d_hn, d_cn):
         v: _LSTMValues = ctx.values

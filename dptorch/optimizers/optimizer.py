@@ -610,6 +610,8 @@ class DPOptimizer(_MultiPassDispatch):
         if not self._is_last_step_skipped:
             self._summed_bound = None
         self.original_optimizer.zero_grad(set_to_none)
+        for rec in self.records:
+            rec.mark_zeroed(self.params)
 
 
 def _aligned(p: nn.Parameter, passes: list) -> torch.Tensor | list[torch.Tensor]:
