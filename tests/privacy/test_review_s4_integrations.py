@@ -410,11 +410,12 @@ def _spawn_entry(rank, world_size, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
-    try:
-        torch.save(_ddp_settings_worker(rank, world_size), os.path.join(out_dir, f"{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    torch.save(_ddp_settings_worker(rank, world_size), os.path.join(out_dir, f"{rank}.pt"))
+    dist.barrier()
+    # the refused make_private calls leave DDP reducers behind; gloo's teardown of those has
+    # aborted ("terminate called without an active exception") on a loaded 2-core CI machine
+    # after both results were saved: leave without running C++ destructors
+    os._exit(0)
 
 
 def test_ddp_ranks_with_different_sampling_or_clipping_are_refused():
