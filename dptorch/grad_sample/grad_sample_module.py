@@ -147,8 +147,8 @@ class GradSampleModule(AbstractGradSampleModule):
         self._expected_rows: int | None = None
         self._forward: _ForwardBatch | None = None
         self._trace: UseTrace | None = None
-        self._consumer_generation = 0  # ghost: see _sanction_consumers
-        self._seq_floor = 0
+        self._consumer_generation = 0  # ghost: see _sanction_call
+        self._call_floors: dict[int, list[int]] = {}
         self._trace_hooks: list = []
         self._trace_bsz: int | None = None
         self._trace_armed = True
@@ -180,8 +180,6 @@ class GradSampleModule(AbstractGradSampleModule):
         if training and self._trainable_signature != trainable_signature(self._module):
             self._refresh_units()
         self._forward = _ForwardBatch(infer_batch_size(args, kwargs, self.batch_first))
-        if training and self.autograd_forms_clipped_sum:
-            self._seq_floor = next_sequence_nr()
         if training and self._trace_armed:
             self._start_trace(args, kwargs)
 
@@ -193,22 +191,20 @@ class GradSampleModule(AbstractGradSampleModule):
                 self._finish_trace(check=not failed)
             if not failed:
                 self._forward.output_rows = output_batch_size(out, self.batch_first)
-                if self.autograd_forms_clipped_sum and self._module.training and (
-                    torch.is_grad_enabled() and self.hooks_enabled
-                ):
-                    self._sanction_consumers(out)
             return out
         finally:
             self._forward = None
+            self._call_floors.clear()
 
-    def _sanction_consumers(self, out) -> None:
-        """Ghost: marks the autograd nodes created in this traced forward pass through which the
-        parameters receive gradients (:meth:`check_param_uses` accepts only those, once). Nodes
-        made before the pass began (a parameter term of the input, an eval-mode call's output,
-        a parameter view made outside) are not marked."""
-        ids = {id(p) for p in self._module.parameters() if p.requires_grad}
-        nodes = param_consumers(tensors_in(out), ids)
-        sanction(nodes, self, self._consumer_generation, self._seq_floor)
+    def _sanction_call(self, module: nn.Module, out, floor: int) -> None:
+        """Ghost: marks the autograd nodes created during this hooked call of ``module`` through
+        which its sampled parameters receive gradients (:meth:`check_param_uses` accepts only
+        those, once). A use anywhere else (the training loop, the model's input, a parent's
+        forward or custom Function, an eval-mode call) is not marked."""
+        if not (self.hooks_enabled and torch.is_grad_enabled()):
+            return
+        nodes = param_consumers(tensors_in(out), set(self.sampled_ids(module)), floor)
+        sanction(nodes, self, self._consumer_generation, floor)
 
     def check_param_uses(self, loss: torch.Tensor) -> None:
         """Ghost, before the DP loss's backward passes: every operation through which a trainable
@@ -436,12 +432,17 @@ class GradSampleModule(AbstractGradSampleModule):
             self._trace_armed = False
 
     def _trace_enter(self, module, args, kwargs):
+        if self.autograd_forms_clipped_sum and module.training and torch.is_grad_enabled():
+            self._call_floors.setdefault(id(module), []).append(next_sequence_nr())
         if self._trace is not None and module.training:
             with self._trace.paused():
                 self._trace.enter(module, set(self.sampled_ids(module)), (args, kwargs))
 
     # ------------------------------------------------------------------ capture
     def _forward_hook(self, module, args, kwargs, output):
+        floors = self._call_floors.get(id(module))
+        if floors:
+            self._sanction_call(module, output, floors.pop())
         trace = self._trace
         if trace is None:
             return self._capture_call(module, args, kwargs, output)

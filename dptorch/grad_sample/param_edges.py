@@ -10,10 +10,13 @@ import torch
 __all__ = ["is_sanctioned", "next_sequence_nr", "param_consumers", "sanction"]
 
 
-def param_consumers(roots: Iterable[torch.Tensor], param_ids: set[int]) -> set:
+def param_consumers(
+    roots: Iterable[torch.Tensor], param_ids: set[int], floor: int | None = None
+) -> set:
     """The autograd nodes reachable from the ``grad_fn`` of ``roots`` that have an edge into the
     ``AccumulateGrad`` node of a parameter whose ``id`` is in ``param_ids``: the operations
-    through which that parameter receives a gradient."""
+    through which that parameter receives a gradient. With ``floor``, only nodes created at or
+    after that sequence number (:func:`next_sequence_nr`) are visited."""
     stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set = set()
     out: set = set()
@@ -22,6 +25,8 @@ def param_consumers(roots: Iterable[torch.Tensor], param_ids: set[int]) -> set:
         if node in seen:
             continue
         seen.add(node)
+        if floor is not None and node._sequence_nr() < floor:
+            continue
         for nxt, _ in node.next_functions:
             if nxt is None:
                 continue

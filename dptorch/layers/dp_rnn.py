@@ -559,10 +559,10 @@ class DPRNNBase(RenameParamsMixin, nn.Module):
         hr_t_all = proj(torch.stack(mprev, 1)).unbind(1) if proj is not None else None
         state = state0
         for t in steps:
-            hh_t = _TieHidden.apply(hh_t_all[t], state[0], cell.hh.weight)
+            hh_t = _TieHidden.apply(hh_t_all[t], state[0], cell.hh.weight.detach())
             m, new = cell.step(xi_t[t], hh_t, state)
             if hr_t_all is not None:
-                new = (_TieHidden.apply(hr_t_all[t], m, proj.weight), new[1])
+                new = (_TieHidden.apply(hr_t_all[t], m, proj.weight.detach()), new[1])
             state = advance(state, new, t)
             outs[t] = state[0]
         return torch.stack(outs, 1), state

@@ -248,12 +248,6 @@ class _CustomFnUser(_Two):
         return self.b(torch.tanh(self.a(x)) + _DetachingMatmul.apply(x, self.a.weight))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ghost: a custom autograd.Function in a parent's forward taking a child's parameter "
-    "is not seen by the use trace, and its node is created inside the traced forward, so the "
-    "graph check sanctions it. Needs per-call sanctioning (README: Not caught).",
-)
 def test_finding_custom_autograd_function_on_a_childs_parameter():
     """*Finding* (silent privacy failure). A custom ``autograd.Function`` in the parent's
     forward taking ``self.a.weight`` (its forward computes on ``w.detach()``, as fused kernels
