@@ -195,4 +195,3 @@ class DPLossFastGradientClipping:
             flat = loss.flatten(1)
             loss = flat.mean(1) if self.loss_reduction == "mean" else flat.sum(1)
         return DPTensorFastGradientClipping(self.module, self.optimizer, loss, self.loss_reduction)
-

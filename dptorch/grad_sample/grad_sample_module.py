@@ -204,17 +204,17 @@ class GradSampleModule(AbstractGradSampleModule):
         if not (self.hooks_enabled and torch.is_grad_enabled()):
             return
         nodes = param_consumers(tensors_in(out), set(self.sampled_ids(module)), floor)
-        sanction(nodes, self, self._consumer_generation, floor)
+        sanction(nodes, self, self._consumer_generation)
 
     def check_param_uses(self, loss: torch.Tensor) -> None:
         """Ghost, before the DP loss's backward passes: every operation through which a trainable
         parameter receives a gradient from ``loss`` must come from a traced, hooked forward pass
         of the module. A use elsewhere (the training loop, the criterion, an eval-mode call) has
         no per-sample norm, and the second backward pass would release its gradient unclipped."""
-        names = {id(p): n for n, p in self._module.named_parameters() if p.requires_grad}
-        hooked = [n for n, p in self._module.named_parameters() if p.requires_grad and (
-            getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
-        )]
+        trainable = [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+        names = {id(p): n for n, p in trainable}
+        hooked = [n for n, p in trainable if getattr(p, "_backward_hooks", None)
+                  or getattr(p, "_post_accumulate_grad_hooks", None)]
         if hooked:
             raise ValueError(
                 f"{', '.join(hooked)} has a gradient hook (register_hook or "

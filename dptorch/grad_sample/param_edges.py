@@ -50,12 +50,11 @@ def next_sequence_nr() -> int:
 _KEY = "dptorch_sanctioned"
 
 
-def sanction(nodes: Iterable, owner: object, generation: int, floor: int) -> None:
-    """Marks the nodes created at or after sequence number ``floor`` as sanctioned by ``owner``
-    in ``generation`` (kept in the node's own ``metadata``: nothing holds the graph alive)."""
+def sanction(nodes: Iterable, owner: object, generation: int) -> None:
+    """Marks ``nodes`` as sanctioned by ``owner`` in ``generation`` (kept in the node's own
+    ``metadata``: nothing holds the graph alive)."""
     for node in nodes:
-        if node._sequence_nr() >= floor:
-            node.metadata[_KEY] = (id(owner), generation)
+        node.metadata[_KEY] = (id(owner), generation)
 
 
 def is_sanctioned(node, owner: object, generation: int) -> bool:
