@@ -132,6 +132,36 @@ def own_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 def trainable_signature(model: nn.Module) -> tuple[int, ...]:
-    """Ids of ``model``'s trainable parameters: it changes when one is frozen or unfrozen, or
-    when a trainable parameter is added, removed or replaced."""
-    return tuple(id(p) for p in module_parameters(model) if p.requires_grad)
+    """For each submodule of ``model`` that registers trainable parameters itself: its id, then
+    theirs. It changes when a parameter is frozen or unfrozen, when a trainable parameter is
+    added, removed or replaced, and when a module registering an already trainable parameter
+    is added (a tied copy of a layer: it needs hooks of its own). Module and parameter ids
+    cannot be confused: they are ids of distinct live objects."""
+    out: list[int] = []
+    seen: set[int] = set()
+    plain = _PLAIN_TRAVERSAL
+
+    def visit(m: nn.Module) -> bool:  # pre-order, as named_modules; False: not plain
+        seen.add(id(m))
+        if type(m) not in plain and not _plain_traversal(type(m)):
+            return False
+        owner = True
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad:
+                if owner:
+                    out.append(id(m))
+                    owner = False
+                out.append(id(p))
+        for c in m._modules.values():
+            if c is not None and id(c) not in seen and not visit(c):
+                return False
+        return True
+
+    if visit(model):
+        return tuple(out)
+    out.clear()
+    for m in model.modules():
+        own = [id(p) for p in m.parameters(recurse=False) if p.requires_grad]
+        if own:
+            out += [id(m), *own]
+    return tuple(out)

@@ -167,19 +167,12 @@ class _TwoLSTM(nn.Module):
         return self.head(out[:, -1])
 
 
-@pytest.mark.parametrize("mode", ["hooks", "functorch"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="hooks/functorch: a layer added after make_private that reuses trainable Parameters "
-    "leaves the trainable signature unchanged, so it is not hooked and its contribution is "
-    "dropped (not released). README: Not caught.",
-)
-def test_finding_tied_layer_added_after_make_private_is_not_hooked(mode):
-    """*Finding* (wrong numbers, silent; not specific to the native path: with
-    ``use_native_kernel=False`` the result is the same). A DPLSTM added after make_private
-    that reuses the model's trainable parameters leaves ``trainable_signature`` (parameter ids)
-    unchanged, so no hook is installed and the pass is not traced again: its contribution
-    is missing from ``grad_sample`` (ghost and bk refuse the same model)."""
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "bk"])  # ew: no DPLSTM
+def test_tied_layer_added_after_make_private_is_hooked(mode):
+    """A DPLSTM added after make_private that reuses the model's trainable parameters (a tied
+    copy) is hooked at the next forward pass: its contribution is in the clipped sum, exactly
+    (the trainable signature is made of (module, parameter) pairs, not parameter ids alone).
+    ghost and bk may refuse instead."""
     torch.manual_seed(1)
     model = _TwoLSTM().to(DT)
     ds = _data()
