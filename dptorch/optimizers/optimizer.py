@@ -412,8 +412,11 @@ class DPOptimizer(_MultiPassDispatch):
         """``p.grad = p.summed_grad + N(0, (σ · C · noise_scale_factor)²)``.
 
         Without secure mode the noise of all parameters (of one dtype and device) is one draw
-        of torch's generator into a flat buffer allocated once; ``p.grad`` is a new tensor,
-        never a view of that buffer. Secure mode draws each tensor from the OS CSPRNG."""
+        of torch's generator into a flat buffer allocated once, added in place to the clipped
+        sum, which becomes ``p.grad`` (never a view of the noise buffer): the step allocates no
+        parameter-sized tensor. So after the step ``p.summed_grad`` holds the noisy sum, as
+        ``p.grad`` does; read the clipped sum between ``backward()`` and ``step()``. Secure
+        mode draws each tensor from the OS CSPRNG."""
         std = self.noise_std
         params = self.params
         for p in params:
@@ -424,8 +427,15 @@ class DPOptimizer(_MultiPassDispatch):
                 noise = _generate_noise(std, p.summed_grad, self.generator, self.secure_mode)
                 p.grad = noise.add_(p.summed_grad).view_as(p)  # in place: one tensor, not two
         elif params:  # one fused add for all parameters (few kernel launches on a GPU)
-            noisy = torch._foreach_add([p.summed_grad for p in params], [flat[id(p)] for p in params])
-            for p, g in zip(params, noisy):
+            # in place where the sum owns its memory: contiguous, so no element is shared
+            inplace = [p for p in params if p.summed_grad.is_contiguous()]
+            copied = [p for p in params if not p.summed_grad.is_contiguous()]
+            if inplace:
+                torch._foreach_add_([p.summed_grad for p in inplace], [flat[id(p)] for p in inplace])
+            for p in copied:
+                p.summed_grad = p.summed_grad + flat[id(p)]
+            for p in params:
+                g = p.summed_grad
                 p.grad = g if g.shape == p.shape else g.view_as(p)
         for p in params:
             _mark_as_processed(p.summed_grad)

@@ -133,6 +133,36 @@ def test_zero_noise_multiplier_adds_exactly_nothing():
     torch.testing.assert_close(params[0].summed_grad, gs.sum(0), rtol=1e-12, atol=1e-12)
 
 
+def test_noise_is_added_in_place_to_the_clipped_sum_and_never_aliases_its_buffer():
+    """The noisy gradient is the clipped sum's own storage (no parameter-sized copy per step),
+    equal to clipped sum + N(0, (σC)²); a gradient kept from one step is not overwritten by
+    the next step's draw (the flat noise buffer is reused, the gradients are not views of it)."""
+    params = _params([(40, 25), (25,)])
+    sigma, c = 0.5, 2.0
+    opt = DPOptimizer(
+        torch.optim.SGD(params, lr=0.0), noise_multiplier=sigma, max_grad_norm=c,
+        expected_batch_size=3, loss_reduction="sum",
+        generator=torch.Generator().manual_seed(0),
+    )
+    kept = []
+    for _ in range(2):
+        gss = [1e-3 * torch.randn(3, *p.shape, dtype=torch.float64) for p in params]
+        set_grad_samples(params, gss)
+        opt.clip_and_accumulate()
+        clean = [p.summed_grad.clone() for p in params]
+        for cl, gs in zip(clean, gss):
+            torch.testing.assert_close(cl, gs.sum(0))  # never clipped
+        opt.add_noise()
+        noise = torch.cat([(p.grad - cl).flatten() for p, cl in zip(params, clean)])
+        assert all(p.grad.data_ptr() == p.summed_grad.data_ptr() for p in params)
+        lo, hi = chi2_variance_bounds(noise.numel())
+        assert lo < (noise.var() / (sigma * c) ** 2).item() < hi
+        kept.append([(p.grad, p.grad.clone()) for p in params])
+        opt.zero_grad(set_to_none=True)  # (False zeroes the held tensors, as torch does)
+    for held, value in kept[0]:
+        assert torch.equal(held, value)  # the second step's draw left them alone
+
+
 def test_noise_generator_makes_steps_reproducible_and_secure_mode_rejects_it():
     outs = []
     for _ in range(2):
