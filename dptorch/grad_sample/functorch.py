@@ -13,6 +13,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from .unit_params import unit_parameters
+from .use_trace import tensors_in
 
 
 def ft_compute_per_sample_gradient(
@@ -22,6 +23,7 @@ def ft_compute_per_sample_gradient(
     kwargs: dict | None = None,
     batch_first: bool = True,
     params: Sequence[tuple[str, nn.Parameter]] | None = None,
+    name: str | None = None,
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the layer's own trainable parameters
     (or the named ``params`` of the layer, when given).
@@ -30,6 +32,10 @@ def ft_compute_per_sample_gradient(
     batch-first ``(B, ...)``; tensors whose leading size is not ``B`` are treated as shared by all
     samples. ``batch_first`` says where the batch dimension must be re-inserted when calling the
     layer on one sample. Returns ``{param: (B, *param.shape)}``.
+
+    Raises ``ValueError`` (naming the layer as ``name``) where one sample's call would still
+    see other samples: a tensor of ``B`` rows inside a tuple, list or dict input (only
+    top-level tensors are split per sample), or an output with more than one row per sample.
     """
     kwargs = kwargs or {}
     if params is None:
@@ -41,7 +47,11 @@ def ft_compute_per_sample_gradient(
     values = tuple(p.detach() for _, p in named)
     if backprops.shape[0] == 0:
         return {p: p.new_zeros((0, *p.shape)) for _, p in named}
-    per_sample = _vmap_grad(layer, names, values, activations, backprops, kwargs, batch_first)
+    label = f"{name or type(layer).__name__} ({type(layer).__name__})"
+    _check_no_nested_batch(label, activations, kwargs, backprops.shape[0])
+    per_sample = _vmap_grad(
+        layer, names, values, activations, backprops, kwargs, batch_first, label
+    )
     return {p: gs for (_, p), gs in zip(named, per_sample)}
 
 
@@ -53,10 +63,12 @@ def _vmap_grad(
     backprops: torch.Tensor,
     kwargs: dict,
     batch_first: bool,
+    label: str | None = None,
 ) -> tuple:
     """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the parameters ``names`` (given the
     values ``values``), one ``(B, *shape)`` tensor per name: ``vmap`` over ``grad`` of a
-    ``functional_call`` on one sample."""
+    ``functional_call`` on one sample. The call on one sample must return one row (its batch
+    dimension of size 1), else ``ValueError``: the layer read other samples' data."""
     batch_size = backprops.shape[0]
     bdim = 0 if batch_first else 1
 
@@ -80,6 +92,19 @@ def _vmap_grad(
         )
         if isinstance(out, (tuple, list)):
             out = out[0]
+        if out.dim() > bdim and out.shape[bdim] != 1:
+            raise ValueError(
+                f"{label or type(layer).__name__}: called on one sample, the layer returned "
+                f"{out.shape[bdim]} rows in its batch dimension. Its per-sample gradients are "
+                "computed by torch.func on each sample's slice of the layer's tensor inputs, "
+                "so the layer must read every per-sample value from a top-level tensor "
+                "argument with the batch in dimension "
+                f"{bdim} (it read the batch from elsewhere: a tuple, list or dict input, an "
+                "index such as EmbeddingBag's offsets, or a cached tensor). Pass the batch as "
+                "tensor arguments, or register a grad sampler for the layer "
+                "(dptorch.grad_sample.register_grad_sampler); for EmbeddingBag with offsets "
+                "use grad_sample_mode='hooks'."
+            )
         return (out * g.unsqueeze(bdim)).sum()
 
     return vmap(grad(sample_loss), in_dims=(None, 0, 0, 0))(
@@ -88,6 +113,22 @@ def _vmap_grad(
         tuple(kwargs[k] for k in batched_kw),
         backprops,
     )
+
+
+def _check_no_nested_batch(label: str, activations: Sequence, kwargs: dict, rows: int) -> None:
+    """``ValueError`` if a tuple, list or dict input of the layer holds a tensor of ``rows``
+    (the batch's) leading rows: ``torch.func`` would pass it whole to every sample's call."""
+    nested = [a for a in (*activations, *kwargs.values()) if not isinstance(a, torch.Tensor)]
+    for t in tensors_in(nested):
+        if t.dim() > 0 and t.shape[0] == rows and rows > 1:
+            raise ValueError(
+                f"{label}: an input of this layer is a tuple, list or dict holding a tensor of "
+                f"{rows} rows, the batch's. Its per-sample gradients are computed by torch.func "
+                "on each sample's slice of the top-level tensor arguments only, so every "
+                "sample's call would see the whole tensor (every sample's data in every "
+                "per-sample gradient). Pass such tensors as separate arguments, or register a "
+                "grad sampler for the layer (dptorch.grad_sample.register_grad_sampler)."
+            )
 
 
 def make_functional(mod: nn.Module, disable_autograd_tracking: bool = False):

@@ -480,19 +480,25 @@ class GradSampleModule(AbstractGradSampleModule):
                 activations = [_expand_batch(a, bdim, b) for a in activations]
                 kwargs = {k: _expand_batch(v, bdim, b) for k, v in kwargs.items()}
                 new_output = _replace_first_tensor(output, out)
+        hooked = _hookable(out, (activations, kwargs))
         activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in activations]
         kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         if kwargs:
             activations, kwargs = _kwargs_to_positional(module, activations, kwargs)
-        self.capture_activations_hook(module, activations, out, forward_kwargs=kwargs)
-        out.register_hook(partial(self._on_backprops, module, activations, kwargs, self._forward))
+        self.capture_activations_hook(module, activations, hooked, forward_kwargs=kwargs)
+        on_grad = partial(self._on_backprops, module, activations, kwargs, self._forward)
+        if hooked is out:
+            out.register_hook(on_grad)
+        else:
+            hooked.register_hook(partial(_reshaped_grad, on_grad, out.shape))
         return new_output
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None
     ) -> None:
         """Runs once per hooked call in the forward pass, after its inputs were kept (fast
-        clipping counts calls and keeps output edges here)."""
+        clipping counts calls and keeps output edges here). ``_forward_output`` is the tensor
+        whose gradient is hooked: the output, or the base it reshapes (see ``_hookable``)."""
 
     def _on_backprops(self, module, activations, kwargs, fwd, grad):
         if torch.is_grad_enabled():  # even with the backward hooks off: nothing sees that use
@@ -604,6 +610,7 @@ class GradSampleModule(AbstractGradSampleModule):
                 kwargs,
                 batch_first=module_batch_first(module, self.batch_first),
                 params=sampled,
+                name=self._module_names.get(id(module)),
             )
         finally:
             self._in_functorch = False
@@ -623,9 +630,12 @@ class GradSampleModule(AbstractGradSampleModule):
         sets it (recurrent layers fed shrinking batches), else the batch size of ``backprops``.
         """
         if not module_batch_first(module, batch_first):
+            rows = backprops.shape[1]
             backprops = backprops.movedim(1, 0)
+            # a tensor without the batch in dimension 1 is shared (a [T, T] mask): kept as is
             activations = [
-                a.movedim(1, 0) if isinstance(a, torch.Tensor) and a.dim() > 1 else a
+                a.movedim(1, 0) if isinstance(a, torch.Tensor) and a.dim() > 1
+                and a.shape[1] == rows else a
                 for a in activations
             ]
         if loss_reduction == "mean":
@@ -917,6 +927,29 @@ def _in_parameter_precision(module: nn.Module, activations: list, backprops: tor
         return t
 
     return [up(a) for a in activations], up(backprops)
+
+
+def _hookable(out: torch.Tensor, inputs) -> torch.Tensor:
+    """The tensor whose gradient hook sees ``out``'s gradient even if ``out`` is modified in
+    place later (``nn.ReLU(inplace=True)``, ``h += x``): ``out`` itself, or, when ``out`` is a
+    reshaping view of a tensor the call created (``nn.Linear`` on ``(B, T, d)`` returns a view
+    of its 2-d ``addmm``), that base. An in-place op on a view drops the view's hooks, whereas
+    a hook on the base keeps receiving the gradient of the value before the op."""
+    base = out._base if out._is_view() else None
+    if (
+        base is None
+        or base.grad_fn is None
+        or base.numel() != out.numel()
+        or not (out.is_contiguous() and base.is_contiguous())
+        or any(base is t or base is t._base for t in tensors_in(inputs))
+    ):
+        return out
+    return base
+
+
+def _reshaped_grad(on_grad, shape: torch.Size, grad: torch.Tensor):
+    """Calls ``on_grad`` with ``grad`` (the gradient of a hooked view's base) shaped as the view."""
+    return on_grad(grad.reshape(shape))
 
 
 def _first_tensor(x):

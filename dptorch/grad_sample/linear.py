@@ -50,7 +50,7 @@ def compute_linear_grad_sample(
 #: ``(output gradient, its version, its Gram)`` of the last ghost norm: layers fed the same
 #: output-gradient tensor (a recurrent cell's input and hidden projections, whose gradients are
 #: both the gates' gradient) compute its ``(B, T, T)`` Gram once
-_last_gram: tuple[weakref.ref, int, torch.Tensor] | None = None
+_last_gram: tuple[weakref.ref, tuple, torch.Tensor] | None = None
 
 
 def _output_gram(backprops: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -59,11 +59,14 @@ def _output_gram(backprops: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     global _last_gram
     if backprops.is_inference():  # no version counter
         return torch.bmm(g, g.transpose(1, 2))
+    # a view of the same tensor counts as the same (hooks may reshape the gradient they get)
+    root = backprops if backprops._base is None else backprops._base
+    key = (backprops._version, g.shape, g.stride(), g.storage_offset(), g.data_ptr())
     last = _last_gram
-    if last is not None and last[0]() is backprops and last[1] == backprops._version:
+    if last is not None and last[0]() is root and last[1] == key:
         return last[2]
     gg = torch.bmm(g, g.transpose(1, 2))
-    _last_gram = (weakref.ref(backprops, _forget_gram), backprops._version, gg)
+    _last_gram = (weakref.ref(root, _forget_gram), key, gg)
     return gg
 
 
@@ -165,7 +168,8 @@ def linear_factors(
 
 
 class _LinearInputGradOnly(torch.autograd.Function):
-    """``F.linear(x, w, b)`` whose backward returns only ``∂L/∂x = G w``."""
+    """``F.linear(x, w, b)`` on a 2-d ``x`` ``(N, d_in)``, whose backward returns only
+    ``∂L/∂x = G w``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -180,8 +184,14 @@ class _LinearInputGradOnly(torch.autograd.Function):
 
 
 def linear_input_grad_only(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``, with autograd computing ``∂L/∂x`` only (no weight or bias gradient)."""
-    return _LinearInputGradOnly.apply(x, layer.weight, layer.bias)
+    """``layer(x)``, with autograd computing ``∂L/∂x`` only (no weight or bias gradient).
+
+    The function runs on ``x`` flattened to 2-d and the result is reshaped outside it: a view
+    made inside a custom Function cannot be modified in place (``nn.ReLU(inplace=True)`` after
+    a Linear on ``(B, T, d)``), a view of its output can."""
+    lead = x.shape[:-1]
+    out = _LinearInputGradOnly.apply(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias)
+    return out.view(*lead, out.shape[-1])
 
 
 def linear_prefers_ghost(layer: nn.Linear, activations: Sequence, backprops: torch.Tensor) -> bool:

@@ -83,3 +83,136 @@ def test_trainable_signature_tracks_modules_that_register_trainable_parameters()
     other = _OverridesTraversal(*model)
     assert trainable_signature(other) == trainable_signature(model)
     assert trainable_signature(other)[0] == id(model[0])
+
+
+# --------------------------------------------------------------------------- torch.func fallback
+class _Gate(nn.Module):
+    """A custom layer (no grad sampler: torch.func computes its per-sample gradients) that
+    reads the batch from a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, pair):
+        a, b = pair
+        return a * self.w + b
+
+
+class _TupleInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gate = _Gate()
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.head(self.gate((h, torch.tanh(h))))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_custom_layer_reading_the_batch_from_a_tuple_is_refused(mode):
+    """*Finding* (silent privacy failure): torch.func split only top-level tensor arguments per
+    sample, so every "per-sample" gradient of ``gate.w`` was computed from the whole batch (all
+    rows equal; one record's influence up to B·C). Now refused, naming the layer."""
+    torch.manual_seed(0)
+    model = _TupleInput().to(DT)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    with pytest.raises(ValueError, match=r"gate \(_Gate\).*tuple, list or dict"):
+        dp_update(model, mode, x, y, 1.0)
+
+
+def test_embedding_bag_with_offsets_in_functorch_mode_is_refused():
+    """*Finding* (silent privacy failure): flat ids with ``offsets`` have no batch dimension, so
+    torch.func gave every sample the gradient of every bag. The call on one sample now must
+    return one row; hooks mode's exact sampler still serves it."""
+    from dptorch import GradSampleModule
+
+    bag = nn.EmbeddingBag(10, 3, mode="sum", include_last_offset=True).to(DT)
+    ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    offsets = torch.tensor([0, 2, 3, 5, 6])
+    gsm = GradSampleModule(bag, force_functorch=True, loss_reduction="sum")
+    with pytest.raises(ValueError, match="returned 4 rows"):
+        gsm(ids, offsets).sum().backward()
+    exact = GradSampleModule(nn.EmbeddingBag(10, 3, mode="sum", include_last_offset=True).to(DT),
+                             loss_reduction="sum")
+    exact(ids, offsets).pow(2).sum().backward()
+    w = exact._module.weight
+    for b, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        want = torch.zeros_like(w)
+        out = w[ids[lo:hi]].sum(0)
+        want.index_add_(0, ids[lo:hi], (2 * out).expand(hi - lo, 3))
+        torch.testing.assert_close(w.grad_sample[b], want)
+
+
+class _MaskMix(nn.Module):
+    """Mixes positions with a shared ``[T, T]`` matrix: time-major input ``(T, B, d)``."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d))
+
+    def forward(self, x, mask):
+        return torch.einsum("ts,sbd->tbd", mask, x) * self.w
+
+
+class _TimeMajor(nn.Module):
+    def __init__(self, d=3):
+        super().__init__()
+        self.mix = _MaskMix(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        t = x.shape[0]
+        mask = torch.tril(torch.ones(t, t, dtype=x.dtype)) * torch.arange(1.0, t + 1, dtype=x.dtype)
+        return self.head(torch.tanh(self.mix(x, mask))).sum(0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_input_of_a_custom_layer_is_not_transposed_with_batch_first_false(mode):
+    """*Finding* (silent wrong gradients): with ``batch_first=False`` every tensor input of a
+    layer was moved from dimension 1 to 0, the shared ``[T, T]`` matrix included (transposed).
+    Only tensors with the batch in dimension 1 are moved now."""
+    torch.manual_seed(0)
+    model = _TimeMajor().to(DT)
+    x, y = torch.randn(5, 3, 3, dtype=DT), torch.randn(3, 1, dtype=DT)
+    got = dp_update(model, mode, x, y, 0.5, batch_first=False)
+    want = reference_update(model, x, y, 0.5, batch_dim=1)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-7, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- in-place on views
+class _InPlaceOnViews(nn.Module):
+    """``block`` (a Linear on ``(B, T, d)``, whose output is a view) called twice, its second
+    output modified in place; an in-place residual after ``mid``."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        a = torch.tanh(self.block(0.3 * x))
+        b = self.act(self.block(x))
+        h = self.mid(a + b)
+        h += x
+        return self.head(h).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_in_place_op_on_a_hooked_view_output_is_exact(mode):
+    """*Finding* (ghost: silent privacy failure, 1.65 C released; hooks/functorch: the call's
+    contribution dropped; bk: a raw RuntimeError). An in-place op on a view drops the view's
+    tensor hooks: the hook is now on the base the call created, which keeps receiving the
+    gradient of the value before the op."""
+    torch.manual_seed(0)
+    model = _InPlaceOnViews().to(DT)
+    x, y = torch.randn(5, 6, 4, dtype=DT), torch.randn(5, 1, dtype=DT)
+    got = dp_update(model, mode, x, y, 0.2)
+    want = reference_update(model, x, y, 0.2)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-7, atol=1e-9)
