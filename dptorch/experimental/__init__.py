@@ -16,6 +16,7 @@ from .immediate_sensitivity import (
 from .sign_vote import SignVotePrivacyEngine, sign_vote_counts
 from .trimmed_mean import (
     TrimmedMeanPrivacyEngine,
+    clamp_with_nonfinite,
     lln_calibration,
     sample_laplace_log_normal,
     trimmed_mean,
@@ -32,6 +33,7 @@ __all__ = [
     "NonConstantSensitivityWarning",
     "SignVotePrivacyEngine",
     "TrimmedMeanPrivacyEngine",
+    "clamp_with_nonfinite",
     "immediate_sensitivity",
     "lln_calibration",
     "per_example_input_grad_norms",

@@ -260,12 +260,33 @@ class PerSampleGradientMixin:
     """
 
     params: list[nn.Parameter]
+    module: nn.Module
     _pending: bool
 
     def _ready(self) -> bool:
         return self._pending or any(
             getattr(p, "grad_sample", None) is not None for p in self.params
         )
+
+    def check_no_frozen_grad_samples(self) -> None:
+        """Raises ``ValueError`` if a parameter that is frozen now carries per-sample gradients.
+
+        Such a parameter was trainable during the backward pass and was frozen before the step:
+        its ``p.grad`` holds the raw (non-private) batch gradient, which the engine no longer
+        privatizes but ``optimizer.step()`` would still apply. Call before releasing anything.
+        """
+        frozen = [
+            name.removeprefix("_module.")
+            for name, p in self.module.named_parameters()
+            if not p.requires_grad and getattr(p, "grad_sample", None) is not None
+        ]
+        if frozen:
+            raise ValueError(
+                f"{', '.join(frozen)} became frozen (requires_grad=False) after the backward pass "
+                "that computed its per-sample gradients: its p.grad is the raw, non-private "
+                "gradient and the engine would not privatize it. Freeze or unfreeze parameters "
+                "between steps (after optimizer.zero_grad()), not between backward and step."
+            )
 
     def grad_samples(self) -> list[torch.Tensor]:
         """Per-sample gradients ``(B, *p.shape)`` of every trainable parameter (one pass)."""

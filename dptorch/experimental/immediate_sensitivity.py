@@ -134,6 +134,34 @@ def immediate_sensitivity(
     return [g.detach() for g in grads], sens
 
 
+def _check_same_trainable_set(
+    module: nn.Module, at_backward: list[nn.Parameter] | None
+) -> None:
+    """Raises ``ValueError`` unless the parameters trainable now are ``at_backward``.
+
+    ``at_backward`` are the parameters whose gradient and sensitivity the last
+    ``engine.backward`` computed; the noise of the step is calibrated to them. A parameter frozen
+    since then still holds its raw gradient in ``p.grad`` (the optimizer would apply it without
+    noise); one unfrozen since then has no sensitivity.
+    """
+    if at_backward is None:
+        return
+    now = {id(p) for p in trainable_parameters(module)}
+    then = {id(p) for p in at_backward}
+    if now == then:
+        return
+    names = {id(p): name for name, p in module.named_parameters()}
+    frozen = sorted(names.get(i, "?") for i in then - now)
+    unfrozen = sorted(names.get(i, "?") for i in now - then)
+    raise ValueError(
+        f"The trainable parameters changed between engine.backward() and the step (frozen: "
+        f"{', '.join(frozen) or 'none'}; unfrozen: {', '.join(unfrozen) or 'none'}): the noise "
+        "is calibrated to the gradients and sensitivities of the parameters trainable at "
+        "backward, and a frozen parameter's p.grad is its raw gradient. Change requires_grad "
+        "between steps (after optimizer.zero_grad())."
+    )
+
+
 # ---------------------------------------------------------------------------- engines
 class ImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
     """Gradient noise scaled to the batch's immediate sensitivity (approximate DP only).
@@ -167,7 +195,8 @@ class ImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
 
     Accounting: joint mode steps the accountant at σ. In per-parameter mode the release is ``P``
     Gaussian blocks, each at multiplier ``σ·e^β`` relative to its own sensitivity, which is
-    the same as one Gaussian mechanism of multiplier ``σ·e^β/√P``; that is what is accounted.
+    the same as one Gaussian mechanism of multiplier ``σ·e^β/√P``; that is what is accounted,
+    with ``P`` the number of tensors trainable at the step's ``engine.backward``.
     """
 
     is_approximate = True
@@ -223,6 +252,7 @@ class ImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
         self.beta = float(beta)
         self.scaling_vec = list(scaling_vec) if scaling_vec is not None else [1.0] * n_params
         self.batch_sensitivity: float | list[float] | None = None
+        self._backward_params: list[nn.Parameter] | None = None
         if per_param:
             self._step_noise_multiplier = self.noise_multiplier * math.exp(beta) / math.sqrt(
                 n_params
@@ -242,6 +272,13 @@ class ImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
                     "p.grad is already set: call optimizer.zero_grad() before engine.backward() "
                     "(gradient accumulation across batches is not supported)."
                 )
+        if not self.per_param and len(params) != len(self.scaling_vec):
+            raise ValueError(
+                f"{len(params)} parameter tensors are trainable now but scaling_vec has "
+                f"{len(self.scaling_vec)} entries (one per tensor trainable at construction): "
+                "parameters were frozen or unfrozen since. Build the engine after changing "
+                "requires_grad."
+            )
         grads, sens = immediate_sensitivity(
             loss,
             params,
@@ -251,8 +288,12 @@ class ImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
         )
         for p, g in zip(params, grads):
             p.grad = g
+        self._backward_params = params
         if self.per_param:
             self.batch_sensitivity = sens.max(dim=1).values.tolist()
+            self._step_noise_multiplier = (
+                self.noise_multiplier * math.exp(self.beta) / math.sqrt(len(params))
+            )
         else:
             self.batch_sensitivity = float(sens.max())
         logger.debug("immediate sensitivity of the batch: %s", self.batch_sensitivity)
@@ -273,11 +314,13 @@ class ImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
         return [self.noise_multiplier * self.batch_sensitivity * c for c in self.scaling_vec]
 
     def _privatize(self) -> None:
+        _check_same_trainable_set(self.module, self._backward_params)
         for p, std in zip(self.params, self.noise_stds()):
             if p.grad is None or std == 0.0:
                 continue  # zero sensitivity: the tensor's gradient does not depend on the data
             p.grad = p.grad + generate_noise(std, p.grad, self.generator, self.secure_mode)
         self.batch_sensitivity = None
+        self._backward_params = None
 
 
 def _default_reference_loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -387,6 +430,7 @@ class GlobalImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
         self.expected_batch_size = expected_batch_size
         self.on_nonconstant = on_nonconstant
         self.sensitivity: float | None = None
+        self._backward_params: list[nn.Parameter] | None = None
         if check_constant_trials:
             self.check_constant(check_constant_trials)
 
@@ -435,6 +479,7 @@ class GlobalImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
         """``loss.backward()`` and the reference sensitivity for the next step."""
         loss.backward()
         self.sensitivity = self.sensitivity_at()
+        self._backward_params = self.params
         self._pending = True
 
     def noise_std(self) -> float:
@@ -445,9 +490,11 @@ class GlobalImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
         return std / self.expected_batch_size if self.loss_reduction == "mean" else std
 
     def _privatize(self) -> None:
+        _check_same_trainable_set(self.module, self._backward_params)
         std = self.noise_std()
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad = p.grad + generate_noise(std, p.grad, self.generator, self.secure_mode)
         self.sensitivity = None
+        self._backward_params = None

@@ -1,11 +1,15 @@
 """Sign-vote engine: a noisy majority vote of per-sample gradient signs (DP signSGD).
 
-Every example votes ``v_i = sign(g_i) ∈ {−1, 0, +1}^d`` over all ``d`` trainable coordinates.
-The vote counts ``c = Σ_i v_i`` change by one vote vector when an example is added or removed,
-so their L2 sensitivity is ``max ‖v_i‖₂ ≤ √d``. Releasing ``c + N(0, σ² d I)`` is therefore the
-Gaussian mechanism with noise multiplier σ; with Poisson sampling at rate ``q`` each step is a
-sampled Gaussian mechanism, accounted by ``RDPAccountant`` at ``(σ, q)``. The update direction
-``sign(c + noise)`` (or the noisy counts rescaled) is post-processing.
+Every example votes ``v_i = sign(g_i) ∈ {−1, 0, +1}^d`` over all ``d`` trainable coordinates
+(a NaN entry of ``g_i`` votes 0). The vote counts ``c = Σ_i v_i`` change by one vote vector when
+an example is added or removed, so their L2 sensitivity is ``max ‖v_i‖₂ ≤ √d``. Releasing
+``c + N(0, σ² d I)`` is therefore the Gaussian mechanism with noise multiplier σ; with Poisson
+sampling at rate ``q`` each step is a sampled Gaussian mechanism, accounted by ``RDPAccountant``
+at ``(σ, q)``. The update direction ``sign(c + noise)`` (or the noisy counts rescaled) is
+post-processing.
+
+``d`` is counted at every step over the parameters trainable at that step (``requires_grad``),
+so freezing or unfreezing parameters between steps keeps the noise multiplier at σ.
 """
 
 from __future__ import annotations
@@ -26,8 +30,23 @@ _OUTPUTS = ("sign", "mean")
 
 
 def sign_vote_counts(grad_sample: torch.Tensor) -> torch.Tensor:
-    """``Σ_i sign(g_i)``: per-coordinate vote counts of a ``(B, *shape)`` per-sample gradient."""
-    return torch.sign(grad_sample).sum(dim=0)
+    """``Σ_i sign(g_i)``: per-coordinate vote counts of a ``(B, *shape)`` per-sample gradient.
+
+    Returns a ``(*shape)`` tensor of ``grad_sample``'s dtype. Each entry votes ``+1`` if ``> 0``
+    (``+inf`` included), ``−1`` if ``< 0`` (``−inf`` included) and ``0`` otherwise, NaN included,
+    so every example's vote vector lies in ``{−1, 0, +1}^shape`` whatever its gradient.
+    """
+    positive = (grad_sample > 0).to(grad_sample.dtype)
+    negative = (grad_sample < 0).to(grad_sample.dtype)
+    return (positive - negative).sum(dim=0)
+
+
+def _num_coordinates(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _noise_std(noise_multiplier: float, num_coordinates: int) -> float:
+    return noise_multiplier * math.sqrt(num_coordinates)
 
 
 class SignVotePrivacyEngine(PerSampleGradientMixin, RDPAccountedEngine):
@@ -43,7 +62,8 @@ class SignVotePrivacyEngine(PerSampleGradientMixin, RDPAccountedEngine):
 
     Args:
         module, optimizer: the model and its ``torch.optim.Optimizer``.
-        noise_multiplier: σ > 0; the count noise std is ``σ √d``.
+        noise_multiplier: σ > 0; the count noise std is ``σ √d``, with ``d`` the number of
+            coordinates trainable at the step (recounted every step).
         sample_rate / data_loader: Poisson sampling rate for the accountant.
         output: ``"sign"`` — ``p.grad = sign(noisy counts)`` (signSGD; use a small learning
             rate); ``"mean"`` — ``p.grad = noisy counts / expected_batch_size``.
@@ -96,12 +116,16 @@ class SignVotePrivacyEngine(PerSampleGradientMixin, RDPAccountedEngine):
         )
         self.output = output
         self.expected_batch_size = expected_batch_size
-        self.num_coordinates = sum(p.numel() for p in self.params)
+
+    @property
+    def num_coordinates(self) -> int:
+        """``d``: number of coordinates of the parameters trainable now (``requires_grad``)."""
+        return _num_coordinates(self.params)
 
     @property
     def noise_std(self) -> float:
-        """Std of the noise on every vote count: ``σ √d``."""
-        return self.noise_multiplier * math.sqrt(self.num_coordinates)
+        """Std of the noise on every vote count: ``σ √d``, ``d`` = :attr:`num_coordinates` now."""
+        return _noise_std(self.noise_multiplier, self.num_coordinates)
 
     def backward(self, loss: torch.Tensor | None, inputs: Any = None) -> None:
         """``loss.backward()``; ``loss=None`` marks an empty batch (zero votes, noise only)."""
@@ -110,9 +134,17 @@ class SignVotePrivacyEngine(PerSampleGradientMixin, RDPAccountedEngine):
         self._pending = True
 
     def noisy_counts(self) -> list[torch.Tensor]:
-        """Noisy vote counts of every trainable tensor (zero votes where no example voted)."""
+        """Noisy vote counts, one tensor of shape ``p.shape`` per trainable parameter ``p``.
+
+        The parameters are those trainable now, ``d`` their total number of coordinates; each
+        count gets ``N(0, σ² d)`` noise (zero votes where ``p`` has no per-sample gradient).
+        """
+        return self._noisy_counts(self.params)
+
+    def _noisy_counts(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        std = _noise_std(self.noise_multiplier, _num_coordinates(params))
         out = []
-        for p in self.params:
+        for p in params:
             gs = getattr(p, "grad_sample", None)
             if isinstance(gs, list):
                 raise ValueError(
@@ -120,11 +152,13 @@ class SignVotePrivacyEngine(PerSampleGradientMixin, RDPAccountedEngine):
                     "one loss.backward() per step."
                 )
             counts = torch.zeros_like(p) if gs is None else sign_vote_counts(gs)
-            out.append(counts + generate_noise(self.noise_std, counts, self.generator, self.secure_mode))
+            out.append(counts + generate_noise(std, counts, self.generator, self.secure_mode))
         return out
 
     def _privatize(self) -> None:
-        for p, counts in zip(self.params, self.noisy_counts()):
+        self.check_no_frozen_grad_samples()
+        params = self.params
+        for p, counts in zip(params, self._noisy_counts(params)):  # every count before any p.grad
             if self.output == "sign":
                 p.grad = torch.sign(counts)
             else:

@@ -3,7 +3,10 @@ with smooth-sensitivity Laplace-log-normal (LLN) noise and accounted in zero-con
 
 Mechanism, for every coordinate ``j`` of every trainable tensor and a batch of ``n`` examples:
 
-1. clamp the per-sample gradients to ``[a, b] = [min_val, max_val]`` and sort them;
+1. clamp the per-sample gradients to ``[a, b] = [min_val, max_val]`` and sort them; a
+   non-finite entry is first mapped into ``[a, b]`` (``−inf → a``, ``+inf → b``, NaN → 0
+   clamped to ``[a, b]``), so an example with a NaN or infinite gradient is one in-range
+   example like any other;
 2. ``TM_j`` = mean of the middle ``n − 2m`` values (``m`` trimmed from each end);
 3. ``S_j`` = the ``t``-smooth sensitivity of the trimmed mean under replace-one adjacency
    (Bun & Steinke 2019)::
@@ -16,7 +19,9 @@ Mechanism, for every coordinate ``j`` of every trainable tensor and a batch of `
 
 By the LLN theorem of Bun & Steinke ("Average-case averages", NeurIPS 2019), step 4 is
 ``½ ε_c²``-zCDP with ``ε_c = t/σ_L + e^{1.5 σ_L²} s``. Given a per-coordinate budget
-``ρ_c = ρ / d`` (``d`` trainable coordinates, zCDP composes additively) we set
+``ρ_c = ρ / d`` (``d`` coordinates released, i.e. trainable at that step: ``d`` is recounted
+every step, so freezing or unfreezing parameters keeps a step at ``ρ``; zCDP composes
+additively) we set
 ``ε_c = √(2 ρ_c)``, pick ``σ_L`` minimizing the noise std ``∝ e^{2.5 σ_L²} / (ε_c − t/σ_L)``,
 i.e. the positive root of ``5 ε_c σ³ − 5 t σ² − t = 0``, and ``s = (ε_c − t/σ_L) e^{−1.5 σ_L²}``.
 So one step is ``ρ``-zCDP. If every example is in exactly one batch of an epoch (a shuffled
@@ -53,6 +58,17 @@ def trimmed_mean(x: torch.Tensor, m: int, dim: int = 0) -> torch.Tensor:
     if not 0 <= 2 * m < n:
         raise ValueError(f"Cannot trim m={m} values from each end of {n} values (need 2m < n).")
     return x.sort(dim=dim).values.narrow(dim, m, n - 2 * m).mean(dim=dim)
+
+
+def clamp_with_nonfinite(x: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+    """``x`` (any shape) with every entry mapped into ``[lower, upper]``, same shape and dtype.
+
+    Finite entries are clamped; ``−inf → lower``, ``+inf → upper`` and NaN → ``0`` clamped to
+    ``[lower, upper]``. ``torch.clamp`` alone keeps NaN, which would make the trimmed mean and
+    its smooth sensitivity NaN for every coordinate the entry's example touches.
+    """
+    nan_fill = min(max(0.0, lower), upper)
+    return torch.nan_to_num(x, nan=nan_fill, posinf=upper, neginf=lower).clamp(lower, upper)
 
 
 def trimmed_mean_smooth_sensitivity(
@@ -139,11 +155,13 @@ class TrimmedMeanPrivacyEngine(PerSampleGradientMixin, ExperimentalPrivacyEngine
 
     Args:
         module, optimizer: the model and its ``torch.optim.Optimizer``.
-        rho_per_epoch: zCDP budget ρ of one epoch (split evenly over all coordinates).
+        rho_per_epoch: zCDP budget ρ of one epoch (split evenly over the ``d`` coordinates
+            trainable at each step; ``d`` is recounted every step).
         steps_per_epoch / data_loader: number of batches per epoch (``len(data_loader)``).
         m_trim: number of values trimmed from each end; or ``trim_fraction`` in ``[0, 0.5)``,
             ``m = floor(trim_fraction · n)`` for a batch of ``n`` (default 0.1).
-        min_val, max_val: per-coordinate clamping bounds of the per-sample gradients.
+        min_val, max_val: per-coordinate clamping bounds of the per-sample gradients
+            (non-finite entries are mapped into them, see :func:`clamp_with_nonfinite`).
         smooth_sensitivity_t: smoothness parameter ``t`` > 0.
         loss_reduction: reduction of the loss (``GradSampleModule`` undoes ``"mean"``).
         generator: random generator for the noise.
@@ -198,13 +216,40 @@ class TrimmedMeanPrivacyEngine(PerSampleGradientMixin, ExperimentalPrivacyEngine
             module, optimizer, generator=generator,
             wrap=partial(as_grad_sample_module, loss_reduction=loss_reduction),
         )
-        self.num_coordinates = sum(p.numel() for p in self.params)
-        self.epsilon_per_coordinate = math.sqrt(2.0 * self.rho_per_epoch / self.num_coordinates)
-        self.lln_sigma, self.lln_s = lln_calibration(self.epsilon_per_coordinate, self.t)
-        logger.info(
-            "TrimmedMeanPrivacyEngine: d=%d coordinates, eps_c=%.4g, LLN sigma=%.4g, s=%.4g",
-            self.num_coordinates, self.epsilon_per_coordinate, self.lln_sigma, self.lln_s,
-        )
+        self._calibrations: dict[int, tuple[float, float, float]] = {}
+        self._calibration(self.num_coordinates)  # logs the calibration at construction
+
+    def _calibration(self, num_coordinates: int) -> tuple[float, float, float]:
+        """``(ε_c, σ_L, s)`` for ``d = num_coordinates``: ``ε_c = √(2ρ/d)``, LLN ``(σ_L, s)``."""
+        if num_coordinates not in self._calibrations:
+            eps_c = math.sqrt(2.0 * self.rho_per_epoch / num_coordinates)
+            sigma, s = lln_calibration(eps_c, self.t)
+            self._calibrations[num_coordinates] = (eps_c, sigma, s)
+            logger.info(
+                "TrimmedMeanPrivacyEngine: d=%d coordinates, eps_c=%.4g, LLN sigma=%.4g, s=%.4g",
+                num_coordinates, eps_c, sigma, s,
+            )
+        return self._calibrations[num_coordinates]
+
+    @property
+    def num_coordinates(self) -> int:
+        """``d``: number of coordinates of the parameters trainable now (``requires_grad``)."""
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def epsilon_per_coordinate(self) -> float:
+        """``ε_c = √(2ρ/d)`` for the current :attr:`num_coordinates` ``d``."""
+        return self._calibration(self.num_coordinates)[0]
+
+    @property
+    def lln_sigma(self) -> float:
+        """LLN ``σ_L`` for the current :attr:`num_coordinates`."""
+        return self._calibration(self.num_coordinates)[1]
+
+    @property
+    def lln_s(self) -> float:
+        """LLN ``s`` for the current :attr:`num_coordinates`."""
+        return self._calibration(self.num_coordinates)[2]
 
     @staticmethod
     def _resolve_steps_per_epoch(steps_per_epoch: int | None, data_loader: Any | None) -> int:
@@ -235,22 +280,28 @@ class TrimmedMeanPrivacyEngine(PerSampleGradientMixin, ExperimentalPrivacyEngine
         return m
 
     def noise_scale(self, sensitivity: torch.Tensor) -> torch.Tensor:
-        """Multiplier of the LLN variable ``Z`` for a coordinate of smooth sensitivity ``S``."""
+        """Multiplier ``S / s`` of the LLN variable ``Z`` for a coordinate of smooth sensitivity
+        ``S`` (``s`` for the current :attr:`num_coordinates`); same shape as ``sensitivity``."""
         return sensitivity / self.lln_s
 
     def _privatize(self) -> None:
+        self.check_no_frozen_grad_samples()
         params = self.params
         gss = self.grad_samples()
         n = gss[0].shape[0]
         m = self.trim_count(n)
-        for p, gs in zip(params, gss):
-            x = gs.reshape(n, -1).t().clamp(self.min_val, self.max_val)  # (d_p, n)
+        _, lln_sigma, lln_s = self._calibration(sum(p.numel() for p in params))
+        grads = []
+        for gs in gss:
+            x = clamp_with_nonfinite(gs.reshape(n, -1).t(), self.min_val, self.max_val)  # (d_p, n)
             tm = trimmed_mean(x, m, dim=1)
             sens = trimmed_mean_smooth_sensitivity(x, m, self.t, self.min_val, self.max_val)
             z = sample_laplace_log_normal(
-                tm.shape, self.lln_sigma, generator=self.generator, dtype=tm.dtype, device=tm.device
+                tm.shape, lln_sigma, generator=self.generator, dtype=tm.dtype, device=tm.device
             )
-            p.grad = (tm + self.noise_scale(sens) * z).view_as(p)
+            grads.append(tm + (sens / lln_s) * z)
+        for p, g in zip(params, grads):  # nothing is released before every tensor is computed
+            p.grad = g.view_as(p)
             clear_grad_sample(p)
 
     def _account(self) -> None:
