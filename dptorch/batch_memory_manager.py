@@ -49,12 +49,12 @@ class BatchSplittingSampler(Sampler[list[int]]):
         for batch_idxs in self.sampler:
             batch_idxs = list(batch_idxs)
             if not batch_idxs:
-                self.optimizer.signal_skip_step(do_skip=False)
+                self.optimizer.signal_skip_step(do_skip=False, physical_batch=True)
                 yield []
                 continue
             n_chunks = math.ceil(len(batch_idxs) / self.max_batch_size)
             for i in range(n_chunks):
-                self.optimizer.signal_skip_step(do_skip=i < n_chunks - 1)
+                self.optimizer.signal_skip_step(do_skip=i < n_chunks - 1, physical_batch=True)
                 yield batch_idxs[i * self.max_batch_size : (i + 1) * self.max_batch_size]
 
     def _split_with_layouts(self, layouts: LayoutQueue) -> Iterator[list[int]]:
@@ -65,7 +65,7 @@ class BatchSplittingSampler(Sampler[list[int]]):
             layout = layouts.pop_latest()
             bounds = layout.chunks(self.max_batch_size)
             for i, (lo, hi) in enumerate(bounds):
-                self.optimizer.signal_skip_step(do_skip=i < len(bounds) - 1)
+                self.optimizer.signal_skip_step(do_skip=i < len(bounds) - 1, physical_batch=True)
                 layouts.push(layout.slice(lo, hi))
                 yield batch_idxs[lo:hi]
 

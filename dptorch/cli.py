@@ -22,6 +22,7 @@ from .scripts.argtypes import (
     unit_half_open,
     unit_open,
 )
+from .utils._poisson import robust_floor
 from .version import __version__
 
 _ALL = "all"
@@ -35,7 +36,7 @@ def _add_schedule_args(p: argparse.ArgumentParser, default_accountant: str) -> N
                    help="probability q that a record is in a batch (batch size / dataset size)")
     length = p.add_mutually_exclusive_group(required=True)
     length.add_argument("--epochs", type=positive_float,
-                        help="training epochs; steps = int(epochs / sample-rate)")
+                        help="training epochs; steps = epochs / sample-rate, rounded down")
     length.add_argument("--steps", type=positive_int, help="number of optimizer steps")
     p.add_argument("--delta", type=unit_open, required=True, help="target delta, in (0, 1)")
     p.add_argument("--accountant", default=default_accountant,
@@ -44,7 +45,7 @@ def _add_schedule_args(p: argparse.ArgumentParser, default_accountant: str) -> N
 
 
 def _steps(args: argparse.Namespace) -> int:
-    return args.steps if args.steps is not None else int(args.epochs / args.sample_rate)
+    return args.steps if args.steps is not None else robust_floor(args.epochs / args.sample_rate)
 
 
 def _names(args: argparse.Namespace) -> list[str]:

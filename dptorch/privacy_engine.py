@@ -213,6 +213,7 @@ class PrivacyEngine:
             module.bind_clipping(dp_optimizer.clipping)
         if a.poisson_sampling:
             module.forbid_grad_accumulation()
+            dp_optimizer.forbid_grad_accumulation()
         if distributed:
             disable_gradient_sync(a.module)  # torch DDP: the DP optimizer reduces, not backward
         if self.dataset is None:
@@ -323,7 +324,7 @@ class PrivacyEngine:
         """:meth:`make_private` with the noise multiplier that reaches ``(target_epsilon,
         target_delta)`` after ``epochs`` epochs under this engine's accountant.
 
-        ``kwargs`` may hold ``epsilon_tolerance`` (default 0.01), ``multi_pass`` and the extra
+        ``kwargs`` may hold ``epsilon_tolerance`` (default 0.001), ``multi_pass`` and the extra
         optimizer arguments of :meth:`make_private`; anything else raises ``ValueError``. Warns
         (``UserWarning``) when ``target_delta >= 1/N`` (N: the records the loader can yield; such
         a δ allows releasing whole records) and when the computed noise multiplier exceeds 50
@@ -337,6 +338,7 @@ class PrivacyEngine:
         calibrate = partial(  # called with the sample rate and N once they are checked
             calibrate_noise_multiplier, self.accountant, target_epsilon=target_epsilon,
             target_delta=target_delta, epochs=epochs, epsilon_tolerance=epsilon_tolerance,
+            steps_per_epoch=steps_per_pass(data_loader, poisson_sampling),  # None: Poisson
         )
         own = parameter_names(PrivacyEngine.make_private_with_epsilon) | {"epsilon_tolerance"}
         return self._make_private(

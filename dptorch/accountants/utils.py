@@ -8,8 +8,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
+from ..utils._poisson import robust_floor
 from .accountant import IAccountant
-from .events import FixedSizeBatchEvent, PoissonSampledEvent, SelfComposedEvent, flatten
+from .events import (
+    FixedSizeBatchEvent,
+    GaussianEvent,
+    PoissonSampledEvent,
+    SelfComposedEvent,
+    flatten,
+)
 from .registry import create_accountant
 
 MAX_SIGMA = 1e6
@@ -35,7 +42,7 @@ def get_noise_multiplier(
     """Smallest noise multiplier σ (within ``epsilon_tolerance``) with ε(σ) ≤ ``target_epsilon``
     under ``neighboring_relation`` (``"add_remove"`` or ``"replace_one"``).
 
-    Runs ``steps`` (or ``int(epochs / sample_rate)``) steps at ``sample_rate``. σ is bracketed by
+    Runs ``steps`` (or ``epochs / sample_rate``, rounded down, round-off aside) steps at ``sample_rate``. σ is bracketed by
     doubling, then bisected until the bracket is narrower than ``epsilon_tolerance`` *and*
     ``target_epsilon − ε(σ) ≤ epsilon_tolerance``; so the result ``σ`` satisfies
     ``ε(σ) ≤ target`` and ``ε(σ − epsilon_tolerance) > target``. ``kwargs`` go to
@@ -60,7 +67,7 @@ def get_noise_multiplier(
     if steps is None:
         if not epochs > 0:
             raise ValueError(f"epochs must be > 0, got {epochs}.")
-        steps = int(epochs / sample_rate)
+        steps = robust_floor(epochs / sample_rate)  # the loader's count, not one short
     if steps < 1:
         raise ValueError(f"the number of steps must be >= 1, got {steps}; raise epochs or steps.")
 
@@ -125,21 +132,40 @@ def calibrate_noise_multiplier(
     epochs: int,
     epsilon_tolerance: float = 0.001,
     num_records: int | None = None,
+    steps_per_epoch: int | None = None,
 ) -> float:
     """:func:`get_noise_multiplier` under ``accountant``'s mechanism and neighbouring relation
     (the reached ε is at most ``epsilon_tolerance`` below the target, never above), warning (``UserWarning``)
     when ``target_delta >= 1/N`` (N = ``num_records``), when ``accountant`` already accounted
     steps (the total ε will exceed the target) and when σ exceeds
-    :data:`EXTREME_NOISE_MULTIPLIER`."""
-    sigma = get_noise_multiplier(
-        target_epsilon=target_epsilon,
-        target_delta=target_delta,
-        sample_rate=sample_rate,
-        epochs=epochs,
-        accountant=accountant.mechanism(),
-        epsilon_tolerance=epsilon_tolerance,
-        neighboring_relation=getattr(accountant, "neighboring_relation", "add_remove"),
-    )
+    :data:`EXTREME_NOISE_MULTIPLIER`.
+
+    With ``steps_per_epoch`` (fixed-size batches, ``poisson_sampling=False``) σ is calibrated
+    to the ε that :func:`engine_epsilon` reports for them: ``epochs`` passes of ``1 /
+    sample_rate`` steps, each pass one Gaussian mechanism per record, no amplification by
+    sampling, under replace-one."""
+    if steps_per_epoch is None:
+        sigma = get_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            sample_rate=sample_rate,
+            epochs=epochs,
+            accountant=accountant.mechanism(),
+            epsilon_tolerance=epsilon_tolerance,
+            neighboring_relation=getattr(accountant, "neighboring_relation", "add_remove"),
+        )
+    else:
+        steps = robust_floor(epochs / sample_rate)
+
+        def eps_at(sigma: float) -> float:
+            event = FixedSizeBatchEvent(GaussianEvent(sigma), steps_per_epoch, sample_rate)
+            acc = _clone(accountant, accountant.neighboring_relation, [])
+            acc.compose(event, steps)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return engine_epsilon(acc, target_delta)
+
+        sigma = _bisect(eps_at, target_epsilon, epsilon_tolerance)
     warn_if_weak_delta(target_delta, num_records, "target_delta", stacklevel=5)
     if len(accountant) > 0:
         warnings.warn(

@@ -833,7 +833,7 @@ class DPTrainer(Trainer):
             total = total + losses.detach().float().sum().to(total.device)
             last = k == len(chunks) - 1 and rows_after == 0
             if not last:  # BatchMemoryManager semantics: clip and accumulate only
-                opt.signal_skip_step(do_skip=True)
+                opt.signal_skip_step(do_skip=True, physical_batch=True)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         return total / max(logical, 1)

@@ -215,6 +215,7 @@ class DPOptimizer(_MultiPassDispatch):
         #: run in order at every real step (the accountant's first); see :attr:`step_hook`
         self.step_hooks: list[Callable[[DPOptimizer], None]] = []
         self._step_skip_queue: list[bool] = []
+        self.grad_accumulation_allowed = True
         self._is_last_step_skipped = False
         self._step_hooks_deferred = False
         self._summed_bound: float | tuple[float, ...] | None = None  # C of the pending sum
@@ -448,10 +449,36 @@ class DPOptimizer(_MultiPassDispatch):
             if grads:
                 torch._foreach_div_(grads, denom)
 
-    def signal_skip_step(self, do_skip: bool = True) -> None:
+    def signal_skip_step(self, do_skip: bool = True, *, physical_batch: bool = False) -> None:
         """Asks the next ``step()`` to only clip and accumulate (a physical batch of a logical
-        one): no noise, no parameter update, no accounting."""
+        one): no noise, no parameter update, no accounting.
+
+        After :meth:`forbid_grad_accumulation` (``make_private`` with Poisson sampling) a skip
+        must come from a splitter of *one* drawn batch (``physical_batch=True``: what
+        BatchMemoryManager and DPTrainer pass); a skip across the loader's batches raises
+        ``ValueError``: two Poisson batches summed and noised once are not one Poisson batch
+        (a record drawn into both counts twice, and the step would be charged as one)."""
+        if do_skip and not physical_batch and not self.grad_accumulation_allowed:
+            raise ValueError(
+                "optimizer.signal_skip_step(True) would add this batch's clipped gradients to "
+                "the next batch's and release them with one draw of noise, but the batches are "
+                "Poisson samples: two Poisson batches are not one (a record drawn into both "
+                "contributes up to 2·max_grad_norm while the noise covers max_grad_norm, and the "
+                "accountant would charge one step at the sample rate of one batch). For large "
+                "logical batches under a memory limit use "
+                "dptorch.utils.batch_memory_manager.BatchMemoryManager, which splits one Poisson "
+                "batch into physical batches; or raise the batch size (sample rate)."
+            )
         self._step_skip_queue.append(do_skip)
+
+    def forbid_grad_accumulation(self) -> None:
+        """Refuse skipped steps across the loader's batches (see :meth:`signal_skip_step`);
+        ``make_private`` calls it under Poisson sampling."""
+        self.grad_accumulation_allowed = False
+
+    def allow_grad_accumulation(self) -> None:
+        """Undoes :meth:`forbid_grad_accumulation`."""
+        self.grad_accumulation_allowed = True
 
     @property
     def skip_requested(self) -> bool:

@@ -24,12 +24,17 @@ def validate_sample_rate(sample_rate: float) -> None:
         )
 
 
+def robust_floor(x: float) -> int:
+    """``floor(x)``, except that an ``x`` within float round-off of an integer is that integer
+    (``3 / (1 / 75)`` is ``224.99999999999997``: 225 steps, as the loader runs)."""
+    nearest = round(x)
+    return int(nearest) if abs(x - nearest) < 1e-9 * max(1.0, abs(x)) else math.floor(x)
+
+
 def steps_for_sample_rate(sample_rate: float) -> int:
     """Default number of steps per epoch, ``1 / sample_rate`` (robust to float round-off:
     ``1 / (1 / 49)`` is ``49.000000000000004``, and ``1 / 0.1`` must give 10, not 9)."""
-    inv = 1.0 / sample_rate
-    nearest = round(inv)
-    return max(1, int(nearest) if abs(inv - nearest) < 1e-9 * max(1.0, inv) else int(inv))
+    return max(1, robust_floor(1.0 / sample_rate))
 
 
 def resolve_steps(steps: int | None, sample_rate: float) -> int:
