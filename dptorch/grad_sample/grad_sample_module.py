@@ -486,7 +486,7 @@ class GradSampleModule(AbstractGradSampleModule):
         if kwargs:
             activations, kwargs = _kwargs_to_positional(module, activations, kwargs)
         self.capture_activations_hook(module, activations, hooked, forward_kwargs=kwargs)
-        on_grad = partial(self._on_backprops, module, activations, kwargs, self._forward)
+        on_grad = partial(self._on_backprops, module, activations, kwargs, self._forward, [])
         if hooked is out:
             out.register_hook(on_grad)
         else:
@@ -500,7 +500,7 @@ class GradSampleModule(AbstractGradSampleModule):
         clipping counts calls and keeps output edges here). ``_forward_output`` is the tensor
         whose gradient is hooked: the output, or the base it reshapes (see ``_hookable``)."""
 
-    def _on_backprops(self, module, activations, kwargs, fwd, grad):
+    def _on_backprops(self, module, activations, kwargs, fwd, passes: list, grad):
         if torch.is_grad_enabled():  # even with the backward hooks off: nothing sees that use
             name = self._module_names.get(id(module), type(module).__name__)
             raise ValueError(
@@ -513,11 +513,31 @@ class GradSampleModule(AbstractGradSampleModule):
             )
         if not self.hooks_enabled or not self.backward_hooks_enabled:
             return None
+        self._check_first_backward(module, passes)
         self._expected_rows = fwd.rows if fwd is not None else None
         self.capture_backprops_hook(
             module, activations, grad, self.loss_reduction, self.batch_first, forward_kwargs=kwargs
         )
         return None
+
+    def _check_first_backward(self, module: nn.Module, passes: list) -> None:
+        """``passes`` (one per hooked call) holds the backward pass that first reached the
+        call; a later pass through the same call is refused outside multi-pass mode: each pass
+        is clipped on its own, so one forward pass back-propagated twice (``a.backward(
+        retain_graph=True); b.backward()``) would let a sample contribute twice the bound."""
+        self._queue_end_of_backward()
+        if not passes:
+            passes.append(self._pass)
+        elif passes[0] is not self._pass and not self.multi_pass:
+            name = self._module_names.get(id(module), type(module).__name__)
+            raise ValueError(
+                f"A second backward pass went through the same forward pass of {name} "
+                f"({type(module).__name__}) (backward(retain_graph=True), then another "
+                "backward of the same outputs). Each backward pass is clipped on its own, so a "
+                "sample would contribute up to twice max_grad_norm while the noise covers it "
+                "once. Add the loss terms and call backward() once per forward pass (or use "
+                "multi_pass=True, whose passes are accounted as such)."
+            )
 
     def capture_backprops_hook(
         self,

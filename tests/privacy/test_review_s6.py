@@ -298,3 +298,32 @@ def test_make_private_with_epsilon_without_poisson_sampling_meets_the_target(acc
                 dp_opt.step()
         eps = engine.get_epsilon(1e-5)
     assert 2.0 - 0.01 <= eps <= 2.0
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk"])  # ghost: its loss wrapper
+def test_second_backward_through_one_forward_is_refused(mode):  # takes no retain_graph
+    """*Finding* (silent privacy failure without Poisson sampling): ``a.backward(retain_graph=
+    True); b.backward()`` clipped each term on its own, so one sample contributed up to 2C
+    (1.68 with C = 1) while the noise covered C. Refused (multi-pass mode accounts its passes)."""
+    import warnings
+
+    from dptorch import PrivacyEngine
+
+    model, opt, loader = _engine_setup(batch=1)
+    crit = nn.CrossEntropyLoss(reduction="sum")
+    extra = {"criterion": crit} if mode in ("ghost", "bk") else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.0,
+            max_grad_norm=1.0, grad_sample_mode=mode, poisson_sampling=False,
+            loss_reduction="sum", **extra)
+    module, dp_opt = out[0], out[1]
+    x, y = next(iter(out[-1]))
+    dp_opt.zero_grad()
+    logits = module(x)
+    loss = out[2] if len(out) == 4 else crit
+    with pytest.raises(ValueError, match="second"):
+        loss(logits, y).backward(retain_graph=True)
+        (100 * logits[:, 0]).sum().backward()
+        dp_opt.step()
