@@ -138,8 +138,12 @@ class ClippingContract:
     # ------------------------------------------------------------------ clipping
     @staticmethod
     def factors(norms: torch.Tensor, bound: float) -> torch.Tensor:
-        """Clip factors ``min(1, bound / (norm + CLIP_EPS))``, shaped like ``norms``."""
-        return (bound / (norms + CLIP_EPS)).clamp(max=1.0)
+        """Clip factors ``min(1, bound / (norm + CLIP_EPS))``, shaped like ``norms``; 0 where a
+        norm is not finite (inf or NaN: an overflowed norm whose sample cannot be clipped
+        reliably is dropped, where ``bound / NaN`` would make the whole clipped sum NaN). No
+        host synchronisation."""
+        factors = (bound / (norms + CLIP_EPS)).clamp(max=1.0)
+        return torch.where(torch.isfinite(norms), factors, 0.0)
 
     def layout(self, rows: int, where: str) -> BatchLayout | None:
         """The current batch's layout (``None``: every row is one unit), checked to have

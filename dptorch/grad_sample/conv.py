@@ -21,7 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..utils.tensor_utils import unfold_nd
-from .norm_samplers import ParamDict, ghost_is_cheaper, positions, sq_norms, sq_sum, wants_grad
+from .norm_samplers import (
+    ParamDict,
+    ghost_is_cheaper,
+    positions,
+    sq_norms,
+    sq_sum,
+    wants_grad,
+    widened,
+    zero_gram,
+)
 from .registry import LayerRule, register_layer_rule
 
 
@@ -181,20 +190,27 @@ def compute_conv_norm_sq_sample(
     ):
         ret[layer.weight] = sq_norms(_folded_weight_grad_sample(layer, activations[0], backprops))
     elif wants_grad(layer.weight):
-        x, padding = _padded_input(layer, activations[0])
+        # float16/bfloat16: im2col and the Grams in float32 (their entries overflow float16)
+        x, padding = _padded_input(layer, widened(activations[0]))
         cols = unfold_nd(
             x, layer.kernel_size, padding=padding, stride=layer.stride, dilation=layer.dilation
         )
         cols = cols.reshape(b, groups, cols.shape[1] // groups, n_out)  # (B, G, i, L)
+        gw = widened(g)
         t, d_in, d_out = cols.shape[-1], cols.shape[2], g.shape[2]
         if ghost_is_cheaper(t, d_in, d_out):
             aa = torch.matmul(cols.transpose(2, 3), cols)  # (B, G, L, L)
-            gg = torch.matmul(g.transpose(2, 3), g)
-            ret[layer.weight] = (aa * gg).sum((1, 2, 3))
+            gg = torch.matmul(gw.transpose(2, 3), gw)
+            # a group whose input columns or output gradient are exactly 0 has a zero gradient,
+            # also where the other's Gram overflowed (inf · 0 is NaN)
+            # (read from the Grams' diagonals: no extra pass over the columns)
+            zero = zero_gram(aa) | zero_gram(gg)
+            sq = torch.where(zero, 0.0, (aa * gg).sum((2, 3)))
+            ret[layer.weight] = sq.sum(1)
         else:
-            ret[layer.weight] = sq_norms(torch.matmul(g, cols.transpose(2, 3)))
+            ret[layer.weight] = sq_norms(torch.matmul(gw, cols.transpose(2, 3)))
     if wants_grad(layer.bias):
-        ret[layer.bias] = sq_sum(g.sum(3), (1, 2))
+        ret[layer.bias] = sq_sum(g.sum(3), (1, 2), wide=True)
     return ret
 
 

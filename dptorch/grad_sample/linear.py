@@ -18,14 +18,19 @@ from torch import nn
 from .norm_samplers import (
     Factors,
     ParamDict,
+    acc_dtype,
     clip_weighted_pair,
     ghost_is_cheaper,
+    l2_norms,
+    norm_product_sq,
     position_sum,
     positions,
     sample_norms,
     sq_norms,
     sq_sum,
     wants_grad,
+    widened,
+    zero_gram,
 )
 from .registry import LayerRule, pairs_with, register_layer_rule
 
@@ -78,12 +83,22 @@ def _forget_gram(ref: weakref.ref) -> None:
 
 def _gram_norms(a: torch.Tensor, g: torch.Tensor, gg: torch.Tensor | None = None) -> torch.Tensor:
     """``Σ_{t,s} (a_t·a_s)(g_t·g_s)`` per sample for ``a: (B, T, d_in)``, ``g: (B, T, d_out)``
-    (``gg``: ``g gᵀ`` if already known)."""
+    (``gg``: ``g gᵀ`` if already known).
+
+    Overflow-safe where the result is finite: float16/bfloat16 inputs are reduced (one
+    position) or multiplied (Grams) in float32; one position gives ``(‖a‖·‖g‖)²``, not
+    ``‖a‖²·‖g‖²``; a sample whose ``a`` or ``g`` is zero (its norm, or its Gram's diagonal,
+    is 0) has norm 0, even where the other's norm or Gram overflowed (``inf · 0`` is NaN). A norm that still overflows is inf or
+    NaN, which the clip factor turns into 0 (the sample is dropped, never mis-clipped)."""
     if a.shape[1] == 1:
-        return sq_sum(a, (1, 2)) * sq_sum(g, (1, 2))
+        na, ng = l2_norms(a, (1, 2)), l2_norms(g, (1, 2))
+        return norm_product_sq(na, ng, (na == 0) | (ng == 0))
+    a = widened(a)
     aa = torch.bmm(a, a.transpose(1, 2))
-    gg = torch.bmm(g, g.transpose(1, 2)) if gg is None else gg
-    return (aa * gg).sum((1, 2))
+    if gg is None:
+        g = widened(g)
+        gg = torch.bmm(g, g.transpose(1, 2))
+    return torch.where(zero_gram(aa) | zero_gram(gg), 0.0, (aa * gg).sum((1, 2)))
 
 
 def compute_linear_norm_sq_sample(
@@ -101,12 +116,14 @@ def compute_linear_norm_sq_sample(
     ret: ParamDict = {}
     if wants_grad(layer.weight):
         if ghost_is_cheaper(a3.shape[1], a3.shape[2], g3.shape[2]):
-            gg = _output_gram(backprops, g3) if t > 1 else None
+            # float16/bfloat16: the float32 Gram is made by _gram_norms (not shared)
+            share = t > 1 and acc_dtype(g3) is None
+            gg = _output_gram(backprops, g3) if share else None
             ret[layer.weight] = _gram_norms(a3, g3, gg)
         else:
             ret[layer.weight] = sq_norms(torch.bmm(g3.transpose(1, 2), a3))
     if wants_grad(layer.bias):
-        ret[layer.bias] = sq_sum(position_sum(g3), 1)
+        ret[layer.bias] = sq_sum(position_sum(g3), 1, wide=True)
     return ret
 
 

@@ -43,10 +43,11 @@ class Factors:
 
 def factor_inner(f: Factors, h: Factors) -> torch.Tensor:
     """``⟨G_b, H_b⟩`` per sample, ``(B,)``, of two factored per-sample gradients of one
-    parameter: ``Σ_{t,s} (u_t·u'_s)(v_t·v'_s)`` (a one-hot ``u`` picks a row of the other's)."""
-    vv = torch.bmm(f.v, h.v.transpose(1, 2))  # (B, T1, T2)
+    parameter: ``Σ_{t,s} (u_t·u'_s)(v_t·v'_s)`` (a one-hot ``u`` picks a row of the other's),
+    in float32 for float16/bfloat16 factors (their Gram entries overflow)."""
+    vv = torch.bmm(widened(f.v), widened(h.v).transpose(1, 2))  # (B, T1, T2)
     if f.ids is None and h.ids is None:
-        uu = torch.bmm(f.u, h.u.transpose(1, 2))
+        uu = torch.bmm(widened(f.u), widened(h.u).transpose(1, 2))
     elif f.ids is not None and h.ids is not None:
         uu = (f.ids[:, :, None] == h.ids[:, None, :]).to(vv.dtype)
     else:
@@ -54,21 +55,64 @@ def factor_inner(f: Factors, h: Factors) -> torch.Tensor:
             f, h, vv = h, f, vv.transpose(1, 2)
         idx = f.ids[:, None, :].expand(-1, h.u.shape[1], -1)  # (B, T2, T1)
         uu = torch.gather(h.u, 2, idx).transpose(1, 2)  # u'_{bs}[ids_{bt}] -> (B, T1, T2)
+        uu = uu.to(vv.dtype)  # picked entries, widened after the gather (no (B, T, V) copy)
     return (uu * vv).sum((1, 2))
+
 
 def wants_grad(p: nn.Parameter | None) -> bool:
     return p is not None and p.requires_grad
 
 
-def sq_sum(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+#: dtypes whose squared norms are accumulated and returned in float32: a float16 ``‖x‖²``
+#: overflows (inf) from ``‖x‖ > 256``, and both lose most of a sum's digits
+NARROW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def acc_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """``float32`` for a float16/bfloat16 ``x``, else ``None`` (``x``'s own dtype)."""
+    return torch.float32 if x.dtype in NARROW_DTYPES else None
+
+
+def widened(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 if it is float16/bfloat16 (a copy), else ``x`` itself: the operand of a
+    Gram matrix whose entries (``a_t·a_s``) overflow in float16."""
+    return x.float() if x.dtype in NARROW_DTYPES else x
+
+
+def l2_norms(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """``‖x‖`` over ``dim``, accumulated and returned in float32 for float16/bfloat16 ``x``."""
+    return torch.linalg.vector_norm(x, dim=dim, dtype=acc_dtype(x))
+
+
+def sq_sum(x: torch.Tensor, dim: int | tuple[int, ...], *, wide: bool = False) -> torch.Tensor:
     """``Σ x²`` over ``dim``: one reduction, without the squared copy of ``x`` that
-    ``x.pow(2).sum(dim)`` writes (about twice as fast on a CPU)."""
+    ``x.pow(2).sum(dim)`` writes (about twice as fast on a CPU).
+
+    With ``wide``, accumulated and returned in float32 for a float16/bfloat16 ``x`` (a float16
+    ``Σ x²`` is inf from ``‖x‖ > 256``); by default in ``x``'s dtype (``embedding.py`` adds the
+    result into a tensor of the gradient's dtype)."""
+    if wide:
+        return l2_norms(x, dim).square()
     return torch.linalg.vector_norm(x, dim=dim).square()
 
 
+def zero_gram(gram: torch.Tensor) -> torch.Tensor:
+    """``(..., L, L) -> (...)``: whether a Gram ``x xᵀ`` is of a zero ``x`` (its diagonal, the
+    squared row norms, sums to 0), read without another pass over ``x``."""
+    return gram.diagonal(dim1=-2, dim2=-1).sum(-1) == 0
+
+
+def norm_product_sq(na: torch.Tensor, ng: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``(‖a‖·‖g‖)²`` per sample, the squared norm of a rank-one ``g aᵀ``: the product is formed
+    before squaring (``‖a‖²·‖g‖²`` overflows while the result is finite), and it is exactly 0
+    where ``zero`` (``a`` or ``g`` is zero): an overflowed ``‖a‖ = inf`` times the
+    ``‖g‖ = 0`` of a dead or saturated unit is the norm of a zero gradient, not NaN."""
+    return torch.where(zero, 0.0, na * ng).square()
+
+
 def sq_norms(gs: torch.Tensor) -> torch.Tensor:
-    """``(B, ...) -> (B,)`` squared L2 norms."""
-    return sq_sum(gs.reshape(gs.shape[0], positions(gs, 1, 0)), 1)
+    """``(B, ...) -> (B,)`` squared L2 norms (float32 for float16/bfloat16 ``gs``)."""
+    return sq_sum(gs.reshape(gs.shape[0], positions(gs, 1, 0)), 1, wide=True)
 
 
 def sample_norms(norms_sq: ParamDict) -> ParamDict:
