@@ -48,6 +48,19 @@ def _hf_unsupported(module: nn.Module) -> str | None:
     return None
 
 
+def _embedding_unsupported(sub: nn.Module) -> str | None:
+    """Why ExpandedWeights' embedding rule would be wrong for ``sub`` (``None``: it is exact):
+    it ignores ``scale_grad_by_freq``, and its ``padding_idx`` row is corrected here only for
+    calls of ``nn.Embedding.forward`` itself."""
+    if not isinstance(sub, nn.Embedding) or not sub.weight.requires_grad:
+        return None
+    if sub.scale_grad_by_freq:
+        return "scales its gradient by the ids' frequencies (scale_grad_by_freq=True)"
+    if sub.padding_idx is not None and type(sub).forward is not nn.Embedding.forward:
+        return "has a padding_idx and a forward of its own"
+    return None
+
+
 def check_ew_model(module: nn.Module, *, batch_first: bool = True, **_settings: object) -> None:
     """Raises :class:`ExpandedWeightsUnsupportedError` (a ``NotImplementedError`` and a
     ``ValueError``) naming the first layer of ``module`` that ExpandedWeights cannot
@@ -81,7 +94,7 @@ def check_ew_model(module: nn.Module, *, batch_first: bool = True, **_settings: 
                 "dptorch.validators.ModuleValidator.fix(model) for BatchNorm and torch.nn "
                 "recurrent/attention layers)."
             )
-        why = _hf_unsupported(sub)
+        why = _hf_unsupported(sub) or _embedding_unsupported(sub)
         if why is not None:
             raise ExpandedWeightsUnsupportedError(
                 f"{name or '<root>'} ({type(sub).__name__}) {why}, which ExpandedWeights "
@@ -250,7 +263,7 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
             out.register_hook(partial(self._on_unit_backprops, None, module))
             return
         padding = None
-        if type(module) is nn.Embedding and module.padding_idx is not None:
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
             padding = (module, args[0].detach())
         out.register_hook(partial(self._on_unit_backprops, padding, None))
 

@@ -327,3 +327,47 @@ def test_second_backward_through_one_forward_is_refused(mode):  # takes no retai
         loss(logits, y).backward(retain_graph=True)
         (100 * logits[:, 0]).sum().backward()
         dp_opt.step()
+
+
+# --------------------------------------------------------------------------- ExpandedWeights
+class _MyEmbedding(nn.Embedding):
+    pass
+
+
+class _OwnForwardEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2
+
+
+_IDS = torch.tensor([[0, 1, 2, 1], [3, 0, 0, 2], [1, 1, 1, 1], [4, 2, 0, 3]])
+
+
+def _ew_and_brute(emb):
+    from dptorch.grad_sample import wrap_model
+
+    g = torch.randn(4, 4, 3, dtype=DT)
+    brute = torch.stack([torch.autograd.grad((emb(_IDS[b:b + 1]) * g[b:b + 1]).sum(), emb.weight)[0]
+                         for b in range(4)])
+    gsm = wrap_model(nn.Sequential(emb), "ew", batch_first=True, loss_reduction="sum")
+    (gsm(_IDS) * g).sum().backward()
+    return emb.weight.grad_sample, brute
+
+
+def test_ew_embedding_subclass_padding_row_gets_no_gradient():
+    """*Finding* (silent wrong gradients in ew): the padding row's correction applied only to
+    ``type(module) is nn.Embedding``; a subclass's padding row was updated."""
+    torch.manual_seed(0)
+    got, want = _ew_and_brute(_MyEmbedding(5, 3, padding_idx=0).to(DT))
+    assert got[:, 0].abs().max() == 0
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Embedding(5, 3, scale_grad_by_freq=True),
+                                  lambda: _OwnForwardEmbedding(5, 3, padding_idx=0)])
+def test_ew_refuses_embeddings_its_rule_gets_wrong(make):
+    """*Finding* (silent wrong gradients in ew): torch's ExpandedWeights rule ignores
+    ``scale_grad_by_freq``; a subclass with its own forward may not call the embedding on the
+    ids the padding correction reads. Refused, naming the layer (hooks and bk are exact)."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"0 \(.*Embedding\)"):
+        _ew_and_brute(make().to(DT))
