@@ -179,7 +179,9 @@ class GradSampleModule(AbstractGradSampleModule):
         training = self._module.training and torch.is_grad_enabled() and self.hooks_enabled
         if training and self._trainable_signature != trainable_signature(self._module):
             self._refresh_units()
-        self._forward = _ForwardBatch(infer_batch_size(args, kwargs, self.batch_first))
+        self._forward = _ForwardBatch(
+            infer_batch_size(args, kwargs, self.batch_first), seq_floor=next_sequence_nr()
+        )
         if training and self._trace_armed:
             self._start_trace(args, kwargs)
 
@@ -480,7 +482,8 @@ class GradSampleModule(AbstractGradSampleModule):
                 activations = [_expand_batch(a, bdim, b) for a in activations]
                 kwargs = {k: _expand_batch(v, bdim, b) for k, v in kwargs.items()}
                 new_output = _replace_first_tensor(output, out)
-        hooked = _hookable(out, (activations, kwargs))
+        hooked = _hookable(out, (activations, kwargs),
+                           None if self._forward is None else self._forward.seq_floor)
         activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in activations]
         kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         if kwargs:
@@ -772,6 +775,8 @@ class _ForwardBatch:
 
     input_rows: int | None
     output_rows: int | None = None
+    #: :func:`next_sequence_nr` at the pass's start: autograd nodes below it are older
+    seq_floor: int | None = None
 
     @property
     def rows(self) -> int | None:
@@ -949,16 +954,19 @@ def _in_parameter_precision(module: nn.Module, activations: list, backprops: tor
     return [up(a) for a in activations], up(backprops)
 
 
-def _hookable(out: torch.Tensor, inputs) -> torch.Tensor:
+def _hookable(out: torch.Tensor, inputs, floor: int | None) -> torch.Tensor:
     """The tensor whose gradient hook sees ``out``'s gradient even if ``out`` is modified in
     place later (``nn.ReLU(inplace=True)``, ``h += x``): ``out`` itself, or, when ``out`` is a
     reshaping view of a tensor the call created (``nn.Linear`` on ``(B, T, d)`` returns a view
     of its 2-d ``addmm``), that base. An in-place op on a view drops the view's hooks, whereas
-    a hook on the base keeps receiving the gradient of the value before the op."""
+    a hook on the base keeps receiving the gradient of the value before the op. The base must
+    be new in this forward pass (its node numbered from ``floor`` on) and be no input."""
     base = out._base if out._is_view() else None
     if (
         base is None
+        or floor is None
         or base.grad_fn is None
+        or base.grad_fn._sequence_nr() < floor
         or base.numel() != out.numel()
         or not (out.is_contiguous() and base.is_contiguous())
         or any(base is t or base is t._base for t in tensors_in(inputs))
