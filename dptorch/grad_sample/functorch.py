@@ -24,14 +24,17 @@ def ft_compute_per_sample_gradient(
     batch_first: bool = True,
     params: Sequence[tuple[str, nn.Parameter]] | None = None,
     name: str | None = None,
+    shared: frozenset = frozenset(),
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the layer's own trainable parameters
     (or the named ``params`` of the layer, when given).
 
     ``activations`` are the layer's positional inputs and ``backprops`` the output gradient, both
     batch-first ``(B, ...)``; tensors whose leading size is not ``B`` are treated as shared by all
-    samples. ``batch_first`` says where the batch dimension must be re-inserted when calling the
-    layer on one sample. Returns ``{param: (B, *param.shape)}``.
+    samples, as are those at the positions (ints) or keywords in ``shared`` (inputs known not
+    to come from the batch, such as a ``[T, T]`` mask when ``T = B``). ``batch_first`` says where
+    the batch dimension must be re-inserted when calling the layer on one sample. Returns
+    ``{param: (B, *param.shape)}``.
 
     Raises ``ValueError`` (naming the layer as ``name``) where one sample's call would still
     see other samples: a tensor of ``B`` rows inside a tuple, list or dict input (only
@@ -50,7 +53,7 @@ def ft_compute_per_sample_gradient(
     label = f"{name or type(layer).__name__} ({type(layer).__name__})"
     _check_no_nested_batch(label, activations, kwargs, backprops.shape[0])
     per_sample = _vmap_grad(
-        layer, names, values, activations, backprops, kwargs, batch_first, label
+        layer, names, values, activations, backprops, kwargs, batch_first, label, shared
     )
     return {p: gs for (_, p), gs in zip(named, per_sample)}
 
@@ -64,6 +67,7 @@ def _vmap_grad(
     kwargs: dict,
     batch_first: bool,
     label: str | None = None,
+    shared: frozenset = frozenset(),
 ) -> tuple:
     """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the parameters ``names`` (given the
     values ``values``), one ``(B, *shape)`` tensor per name: ``vmap`` over ``grad`` of a
@@ -75,8 +79,8 @@ def _vmap_grad(
     def is_batched(a):
         return isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size
 
-    batched_pos = [i for i, a in enumerate(activations) if is_batched(a)]
-    batched_kw = [k for k, v in kwargs.items() if is_batched(v)]
+    batched_pos = [i for i, a in enumerate(activations) if i not in shared and is_batched(a)]
+    batched_kw = [k for k, v in kwargs.items() if k not in shared and is_batched(v)]
 
     def sample_loss(param_values, pos_values, kw_values, g):
         args = list(activations)

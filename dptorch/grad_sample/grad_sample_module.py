@@ -156,6 +156,8 @@ class GradSampleModule(AbstractGradSampleModule):
         self._sampled: dict[int, list[tuple[str, nn.Parameter]]] = {}
         self._sampled_views: tuple | None = None
         self._trainable_signature: tuple = ()
+        #: torch.func-sampled layers: input positions / keywords that are not batch data
+        self._shared_inputs: dict[int, frozenset] = {}
         self.record = StepRecord()
         self._adapters = install_adapters(m)
         self.add_hooks(
@@ -484,6 +486,8 @@ class GradSampleModule(AbstractGradSampleModule):
                 new_output = _replace_first_tensor(output, out)
         hooked = _hookable(out, (activations, kwargs),
                            None if self._forward is None else self._forward.seq_floor)
+        if self._trace is not None and self._uses_functorch(module):
+            self._note_shared_inputs(module, activations, kwargs, expanded=new_output is not None)
         activations = [a.detach() if isinstance(a, torch.Tensor) else a for a in activations]
         kwargs = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         if kwargs:
@@ -495,6 +499,32 @@ class GradSampleModule(AbstractGradSampleModule):
         else:
             hooked.register_hook(partial(_reshaped_grad, on_grad, out.shape))
         return new_output
+
+    def _uses_functorch(self, module: nn.Module) -> bool:
+        return self.force_functorch or type(module) not in self.GRAD_SAMPLERS
+
+    def _note_shared_inputs(
+        self, module: nn.Module, args: list, kwargs: dict, *, expanded: bool
+    ) -> None:
+        """Traced pass: records which tensor inputs of this call of a torch.func-sampled layer
+        do not come from the batch (a ``[T, T]`` mask), by position after
+        :func:`_kwargs_to_positional`; over several calls, those shared in every call. Later
+        passes slice the others per sample, and only those whose batch dimension is ``B``, so a
+        shared tensor is never sliced when ``T = B``. An ``expanded`` call (inputs of batch
+        dimension 1 expanded to the batch) shares none."""
+        trace = self._trace
+        if expanded:
+            self._shared_inputs[id(module)] = frozenset()
+            return
+        flags = [isinstance(a, torch.Tensor) and not trace.from_batch(a) for a in args]
+        kw = {k: isinstance(v, torch.Tensor) and not trace.from_batch(v) for k, v in kwargs.items()}
+        if kw:
+            flags, kw = _kwargs_to_positional(module, flags, kw)
+        shared = frozenset(
+            [i for i, f in enumerate(flags) if f is True] + [k for k, f in kw.items() if f is True]
+        )
+        prev = self._shared_inputs.get(id(module))
+        self._shared_inputs[id(module)] = shared if prev is None else prev & shared
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None
@@ -634,6 +664,7 @@ class GradSampleModule(AbstractGradSampleModule):
                 batch_first=module_batch_first(module, self.batch_first),
                 params=sampled,
                 name=self._module_names.get(id(module)),
+                shared=self._shared_inputs.get(id(module), frozenset()),
             )
         finally:
             self._in_functorch = False

@@ -113,6 +113,11 @@ class UseTrace(TorchFunctionMode):
         self._next = 0
 
     # ------------------------------------------------------------------ module calls
+    def from_batch(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` was derived from the model's batch inputs in this pass."""
+        tid = id(t)
+        return tid in self.batched or tid in self.expanded or tid in self.copies
+
     def mark_expanded(self, t: torch.Tensor) -> None:
         """``t`` is a call's output expanded from a batch dimension of size 1 (rule 4)."""
         self.expanded[id(t)] = t

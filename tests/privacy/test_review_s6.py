@@ -371,3 +371,40 @@ def test_ew_refuses_embeddings_its_rule_gets_wrong(make):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=r"0 \(.*Embedding\)"):
         _ew_and_brute(make().to(DT))
+
+
+class _BufferMaskMix(nn.Module):
+    """A torch.func-sampled layer taking the batch and a shared ``[T, T]`` matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x, mask):
+        return torch.einsum("ts,bsd->btd", mask, x * self.w)
+
+
+class _SharedMaskModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = _BufferMaskMix()
+        self.head = nn.Linear(3, 1)
+        self.register_buffer("causal", torch.tril(torch.ones(16, 16)) * torch.arange(1.0, 17))
+
+    def forward(self, x):
+        t = x.shape[1]
+        return self.head(torch.tanh(self.mix(x, self.causal[:t, :t]))).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_input_of_a_custom_layer_is_not_sliced_when_t_equals_b(mode):
+    """*Finding* (silent wrong gradients): a shared ``[T, T]`` input of a torch.func-sampled
+    layer was taken for batch data when ``T = B`` (under Poisson sampling, some steps) and
+    sliced row by row. The traced pass now records which inputs come from the batch."""
+    torch.manual_seed(0)
+    model = _SharedMaskModel().to(DT)
+    x, y = torch.randn(4, 4, 3, dtype=DT), torch.randn(4, 1, dtype=DT)
+    got = dp_update(model, mode, x, y, 0.5)
+    want = reference_update(model, x, y, 0.5)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-7, atol=1e-9)
