@@ -7,7 +7,7 @@ from torch.optim import Optimizer
 
 from ..clipping import ClippingContract
 from .optimizer import DPOptimizer, UnitGrads
-from .unit_grads import per_row
+from .unit_grads import row_norms
 
 __all__ = ["DPPerLayerOptimizer"]
 
@@ -74,6 +74,6 @@ class DPPerLayerOptimizer(DPOptimizer):
         """Per-parameter factors ``min(1, C_i / (‖g_i‖ + 1e-6))``, each ``(P, B)``."""
         unit_grads = self._unit_grad_samples() if unit_grads is None else unit_grads
         return [
-            self.clipping.param_factors(per_row(gs).norm(2, dim=2), p)
+            self.clipping.param_factors(row_norms(gs), p)
             for p, gs in unit_grads
         ]

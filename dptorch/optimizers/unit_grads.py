@@ -66,10 +66,16 @@ def flat_norms(unit_grads: UnitGrads) -> torch.Tensor:
     if not unit_grads:
         return torch.zeros(1, 0)
     # vector_norm avoids a squared copy of every per-sample gradient (15x faster on CPU)
-    sq = torch.stack(
-        [torch.linalg.vector_norm(per_row(gs), dim=2).pow(2) for _, gs in unit_grads], dim=0
-    )
+    sq = torch.stack([row_norms(gs).pow(2) for _, gs in unit_grads], dim=0)
     return sq.sum(0).sqrt()
+
+
+def row_norms(gs: torch.Tensor) -> torch.Tensor:
+    """``(P, B, ...) -> (P, B)`` L2 norms of each unit's gradient, accumulated and returned in
+    float32 for float16/bfloat16 gradients (a float16 norm overflows from 65504, its square
+    from 256: the sample would be dropped instead of clipped)."""
+    wide = torch.float32 if gs.dtype in (torch.float16, torch.bfloat16) else None
+    return torch.linalg.vector_norm(per_row(gs), dim=2, dtype=wide)
 
 
 def multi_pass_requested(kwargs: dict) -> bool:

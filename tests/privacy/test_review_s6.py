@@ -408,3 +408,27 @@ def test_shared_input_of_a_custom_layer_is_not_sliced_when_t_equals_b(mode):
     want = reference_update(model, x, y, 0.5)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_float16_per_sample_norm_above_256_is_clipped_not_dropped(per_layer):
+    """*Finding* (silent wrong result): hooks mode squared float16 norms in float16, so a
+    per-sample gradient of norm above 256 got an infinite norm, clip factor 0, and was dropped
+    (released norm 0 instead of C); per-layer norms overflowed above 65504. Norms of float16 and
+    bfloat16 gradients are now accumulated in float32."""
+    from dptorch import GradSampleModule
+    from dptorch.optimizers import DPOptimizer, DPPerLayerOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 16)).half()
+    x, y = (torch.randn(1, 64) * 8).half(), torch.zeros(1, 16).half()
+    gsm = GradSampleModule(model, loss_reduction="sum")
+    cls, c = (DPPerLayerOptimizer, [0.6, 0.8]) if per_layer else (DPOptimizer, 1.0)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+              max_grad_norm=c, expected_batch_size=1, loss_reduction="sum")
+    ((gsm(x) - y) ** 2).sum().backward()
+    raw = torch.sqrt(sum(p.grad_sample.float().pow(2).sum() for p in model.parameters()))
+    assert raw > 256 and torch.isfinite(raw)
+    opt.step()
+    released = torch.sqrt(sum(p.grad.float().pow(2).sum() for p in model.parameters()))
+    assert abs(float(released) - 1.0) < 2e-3  # sqrt(0.6² + 0.8²) = 1: clipped to the bound
