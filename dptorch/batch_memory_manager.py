@@ -43,6 +43,7 @@ class BatchSplittingSampler(Sampler[list[int]]):
         self.layouts = layouts
 
     def __iter__(self) -> Iterator[list[int]]:
+        drop_unfinished(self.optimizer)  # a pass broken off and iterated again
         if self.layouts is not None:
             yield from self._split_with_layouts(self.layouts)
             return
@@ -169,10 +170,15 @@ class BatchMemoryManager:
         self._drop_unfinished()
 
     def _drop_unfinished(self) -> None:
-        """Forgets a logical batch broken off (an early break, an exception): its skip
-        signals, and the clipped sums of its physical steps, which were never released; kept,
-        they would be added to the next logical batch, a different Poisson batch (two records'
-        worth of sensitivity in one step accounted as one)."""
-        self.optimizer._step_skip_queue.clear()
-        if self.optimizer.last_step_skipped:
-            self.optimizer.discard_step()
+        drop_unfinished(self.optimizer)
+
+
+def drop_unfinished(optimizer: DPOptimizer) -> None:
+    """Forgets a logical batch broken off (an early break, an exception): its skip signals, and
+    the clipped sums of its physical steps, which were never released; kept, they would be added
+    to the next logical batch, a different Poisson batch (two records' worth of sensitivity in
+    one step accounted as one). Runs when a BatchMemoryManager is entered or left and when its
+    loader starts a pass."""
+    optimizer._step_skip_queue.clear()
+    if optimizer.last_step_skipped:
+        optimizer.discard_step()

@@ -24,12 +24,14 @@ from ..utils.tensor_utils import unfold_nd
 from .norm_samplers import (
     ParamDict,
     ghost_is_cheaper,
+    gram_trace,
+    guarded,
+    max_abs,
     positions,
     sq_norms,
     sq_sum,
     wants_grad,
     widened,
-    zero_gram,
 )
 from .registry import LayerRule, register_layer_rule
 
@@ -201,11 +203,8 @@ def compute_conv_norm_sq_sample(
         if ghost_is_cheaper(t, d_in, d_out):
             aa = torch.matmul(cols.transpose(2, 3), cols)  # (B, G, L, L)
             gg = torch.matmul(gw.transpose(2, 3), gw)
-            # a group whose input columns or output gradient are exactly 0 has a zero gradient,
-            # also where the other's Gram overflowed (inf · 0 is NaN)
-            # (read from the Grams' diagonals: no extra pass over the columns)
-            zero = zero_gram(aa) | zero_gram(gg)
-            sq = torch.where(zero, 0.0, (aa * gg).sum((2, 3)))
+            sq = guarded((aa * gg).sum((2, 3)), gram_trace(aa), max_abs(cols, (2, 3)),
+                         gram_trace(gg), max_abs(g, (2, 3)))
             ret[layer.weight] = sq.sum(1)
         else:
             ret[layer.weight] = sq_norms(torch.matmul(gw, cols.transpose(2, 3)))

@@ -6,7 +6,7 @@ The layer's forward is recomputed once per call, vectorised over the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,15 +24,16 @@ def ft_compute_per_sample_gradient(
     batch_first: bool = True,
     params: Sequence[tuple[str, nn.Parameter]] | None = None,
     name: str | None = None,
-    shared: frozenset = frozenset(),
+    shared: Mapping[int | str, torch.Size] | None = None,
 ) -> dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the layer's own trainable parameters
     (or the named ``params`` of the layer, when given).
 
     ``activations`` are the layer's positional inputs and ``backprops`` the output gradient, both
     batch-first ``(B, ...)``; tensors whose leading size is not ``B`` are treated as shared by all
-    samples, as are those at the positions (ints) or keywords in ``shared`` (inputs known not
-    to come from the batch, such as a ``[T, T]`` mask when ``T = B``). ``batch_first`` says where
+    samples, as are those at the positions (ints) or keywords in ``shared`` with the shape
+    given there (inputs known not to come from the batch, such as a ``[T, T]`` mask when
+    ``T = B``). ``batch_first`` says where
     the batch dimension must be re-inserted when calling the layer on one sample. Returns
     ``{param: (B, *param.shape)}``.
 
@@ -67,7 +68,7 @@ def _vmap_grad(
     kwargs: dict,
     batch_first: bool,
     label: str | None = None,
-    shared: frozenset = frozenset(),
+    shared: Mapping[int | str, torch.Size] | None = None,
 ) -> tuple:
     """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the parameters ``names`` (given the
     values ``values``), one ``(B, *shape)`` tensor per name: ``vmap`` over ``grad`` of a
@@ -79,8 +80,10 @@ def _vmap_grad(
     def is_batched(a):
         return isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size
 
-    batched_pos = [i for i, a in enumerate(activations) if i not in shared and is_batched(a)]
-    batched_kw = [k for k, v in kwargs.items() if k not in shared and is_batched(v)]
+    shared = shared or {}
+    batched_pos = [i for i, a in enumerate(activations)
+                   if is_batched(a) and shared.get(i) != a.shape]
+    batched_kw = [k for k, v in kwargs.items() if is_batched(v) and shared.get(k) != v.shape]
 
     def sample_loss(param_values, pos_values, kw_values, g):
         args = list(activations)

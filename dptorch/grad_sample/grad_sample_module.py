@@ -156,8 +156,8 @@ class GradSampleModule(AbstractGradSampleModule):
         self._sampled: dict[int, list[tuple[str, nn.Parameter]]] = {}
         self._sampled_views: tuple | None = None
         self._trainable_signature: tuple = ()
-        #: torch.func-sampled layers: input positions / keywords that are not batch data
-        self._shared_inputs: dict[int, frozenset] = {}
+        #: torch.func-sampled layers: {position or keyword: shape} of inputs not from the batch
+        self._shared_inputs: dict[int, dict] = {}
         self.record = StepRecord()
         self._adapters = install_adapters(m)
         self.add_hooks(
@@ -178,6 +178,11 @@ class GradSampleModule(AbstractGradSampleModule):
     def _begin_forward(self, args, kwargs) -> None:
         """Before a forward pass of the wrapped module: hooks for parameters unfrozen since the
         last pass, the input's batch size, and (first pass) the use trace."""
+        if self._callback_queued and torch._C._current_graph_task_id() == -1:
+            # a backward pass that raised (a refusal caught by the caller) never ended: its
+            # end-of-pass callback died with it; drop what it left
+            pending, self._pending = list(self._pending.values()), {}
+            self._drop_pass(pending)
         training = self._module.training and torch.is_grad_enabled() and self.hooks_enabled
         if training and self._trainable_signature != trainable_signature(self._module):
             self._refresh_units()
@@ -497,7 +502,7 @@ class GradSampleModule(AbstractGradSampleModule):
         if hooked is out:
             out.register_hook(on_grad)
         else:
-            hooked.register_hook(partial(_reshaped_grad, on_grad, out.shape))
+            hooked.register_hook(partial(_view_grad, on_grad, out.detach(), hooked))
         return new_output
 
     def _uses_functorch(self, module: nn.Module) -> bool:
@@ -507,24 +512,28 @@ class GradSampleModule(AbstractGradSampleModule):
         self, module: nn.Module, args: list, kwargs: dict, *, expanded: bool
     ) -> None:
         """Traced pass: records which tensor inputs of this call of a torch.func-sampled layer
-        do not come from the batch (a ``[T, T]`` mask), by position after
-        :func:`_kwargs_to_positional`; over several calls, those shared in every call. Later
-        passes slice the others per sample, and only those whose batch dimension is ``B``, so a
-        shared tensor is never sliced when ``T = B``. An ``expanded`` call (inputs of batch
+        do not come from the batch (a ``[T, T]`` mask), with their shapes, by position after
+        :func:`_kwargs_to_positional`; over several calls, those shared with the same shape in
+        every call. Later passes do not slice a tensor of that shape at that position per sample
+        (a shared tensor is never sliced when ``T = B``); another shape is batch data again. An ``expanded`` call (inputs of batch
         dimension 1 expanded to the batch) shares none."""
         trace = self._trace
         if expanded:
-            self._shared_inputs[id(module)] = frozenset()
+            self._shared_inputs[id(module)] = {}
             return
-        flags = [isinstance(a, torch.Tensor) and not trace.from_batch(a) for a in args]
-        kw = {k: isinstance(v, torch.Tensor) and not trace.from_batch(v) for k, v in kwargs.items()}
+
+        def shape_if_shared(a):
+            return a.shape if isinstance(a, torch.Tensor) and not trace.from_batch(a) else None
+
+        flags = [shape_if_shared(a) for a in args]
+        kw = {k: shape_if_shared(v) for k, v in kwargs.items()}
         if kw:
             flags, kw = _kwargs_to_positional(module, flags, kw)
-        shared = frozenset(
-            [i for i, f in enumerate(flags) if f is True] + [k for k, f in kw.items() if f is True]
-        )
+        shared = {k: f for k, f in [*enumerate(flags), *kw.items()] if isinstance(f, torch.Size)}
         prev = self._shared_inputs.get(id(module))
-        self._shared_inputs[id(module)] = shared if prev is None else prev & shared
+        self._shared_inputs[id(module)] = shared if prev is None else {
+            k: f for k, f in shared.items() if prev.get(k) == f
+        }
 
     def capture_activations_hook(
         self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None
@@ -558,10 +567,10 @@ class GradSampleModule(AbstractGradSampleModule):
         call; a later pass through the same call is refused outside multi-pass mode: each pass
         is clipped on its own, so one forward pass back-propagated twice (``a.backward(
         retain_graph=True); b.backward()``) would let a sample contribute twice the bound."""
-        self._queue_end_of_backward()
-        if not passes:
-            passes.append(self._pass)
-        elif passes[0] is not self._pass and not self.multi_pass:
+        # decided before this pass is opened: a refusal leaves no pass pending (autograd drops
+        # the end-of-pass callback of a failed backward)
+        current = self._pass if self._callback_queued else None
+        if passes and passes[0] is not current and not self.multi_pass:
             name = self._module_names.get(id(module), type(module).__name__)
             raise ValueError(
                 f"A second backward pass went through the same forward pass of {name} "
@@ -571,6 +580,9 @@ class GradSampleModule(AbstractGradSampleModule):
                 "once. Add the loss terms and call backward() once per forward pass (or use "
                 "multi_pass=True, whose passes are accounted as such)."
             )
+        self._queue_end_of_backward()
+        if not passes:
+            passes.append(self._pass)
 
     def capture_backprops_hook(
         self,
@@ -664,7 +676,7 @@ class GradSampleModule(AbstractGradSampleModule):
                 batch_first=module_batch_first(module, self.batch_first),
                 params=sampled,
                 name=self._module_names.get(id(module)),
-                shared=self._shared_inputs.get(id(module), frozenset()),
+                shared=self._shared_inputs.get(id(module), {}),
             )
         finally:
             self._in_functorch = False
@@ -988,27 +1000,40 @@ def _in_parameter_precision(module: nn.Module, activations: list, backprops: tor
 def _hookable(out: torch.Tensor, inputs, floor: int | None) -> torch.Tensor:
     """The tensor whose gradient hook sees ``out``'s gradient even if ``out`` is modified in
     place later (``nn.ReLU(inplace=True)``, ``h += x``): ``out`` itself, or, when ``out`` is a
-    reshaping view of a tensor the call created (``nn.Linear`` on ``(B, T, d)`` returns a view
-    of its 2-d ``addmm``), that base. An in-place op on a view drops the view's hooks, whereas
-    a hook on the base keeps receiving the gradient of the value before the op. The base must
-    be new in this forward pass (its node numbered from ``floor`` on) and be no input."""
+    view without overlap (a reshape, a transpose, a slice) of a contiguous tensor the call
+    created (``nn.Linear`` on ``(B, T, d)`` returns a view of its 2-d ``addmm``), that base.
+    An in-place op on a view drops the view's hooks, whereas a hook on the base keeps receiving
+    the gradient of the value before the op. The base must be new in this forward pass (its
+    node numbered from ``floor`` on) and be no input."""
     base = out._base if out._is_view() else None
     if (
         base is None
         or floor is None
         or base.grad_fn is None
         or base.grad_fn._sequence_nr() < floor
-        or base.numel() != out.numel()
-        or not (out.is_contiguous() and base.is_contiguous())
+        or not base.is_contiguous()
+        or not _non_overlapping(out)
         or any(base is t or base is t._base for t in tensors_in(inputs))
     ):
         return out
     return base
 
 
-def _reshaped_grad(on_grad, shape: torch.Size, grad: torch.Tensor):
-    """Calls ``on_grad`` with ``grad`` (the gradient of a hooked view's base) shaped as the view."""
-    return on_grad(grad.reshape(shape))
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory (strides sorted, each step past the last)."""
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < span:
+            return False
+        span = stride * size
+    return True
+
+
+def _view_grad(on_grad, view: torch.Tensor, base: torch.Tensor, grad: torch.Tensor):
+    """Calls ``on_grad`` with the part of ``grad`` (the gradient of a hooked view's contiguous
+    base) that ``view`` covers, laid out as the view."""
+    offset = view.storage_offset() - base.storage_offset()
+    return on_grad(grad.contiguous().as_strided(view.shape, view.stride(), offset))
 
 
 def _first_tensor(x):

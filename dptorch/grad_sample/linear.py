@@ -21,7 +21,9 @@ from .norm_samplers import (
     acc_dtype,
     clip_weighted_pair,
     ghost_is_cheaper,
-    l2_norms,
+    gram_trace,
+    guarded,
+    max_abs,
     norm_product_sq,
     position_sum,
     positions,
@@ -30,7 +32,6 @@ from .norm_samplers import (
     sq_sum,
     wants_grad,
     widened,
-    zero_gram,
 )
 from .registry import LayerRule, pairs_with, register_layer_rule
 
@@ -87,18 +88,17 @@ def _gram_norms(a: torch.Tensor, g: torch.Tensor, gg: torch.Tensor | None = None
 
     Overflow-safe where the result is finite: float16/bfloat16 inputs are reduced (one
     position) or multiplied (Grams) in float32; one position gives ``(‖a‖·‖g‖)²``, not
-    ``‖a‖²·‖g‖²``; a sample whose ``a`` or ``g`` is zero (its norm, or its Gram's diagonal,
-    is 0) has norm 0, even where the other's norm or Gram overflowed (``inf · 0`` is NaN). A norm that still overflows is inf or
-    NaN, which the clip factor turns into 0 (the sample is dropped, never mis-clipped)."""
+    ``‖a‖²·‖g‖²``; a zero factor gives 0, a factor whose norm or Gram underflowed or
+    overflowed gives NaN or inf, whose clip factor is 0 (:func:`guarded`)."""
     if a.shape[1] == 1:
-        na, ng = l2_norms(a, (1, 2)), l2_norms(g, (1, 2))
-        return norm_product_sq(na, ng, (na == 0) | (ng == 0))
+        return norm_product_sq(a, g, (1, 2))
     a = widened(a)
     aa = torch.bmm(a, a.transpose(1, 2))
     if gg is None:
         g = widened(g)
         gg = torch.bmm(g, g.transpose(1, 2))
-    return torch.where(zero_gram(aa) | zero_gram(gg), 0.0, (aa * gg).sum((1, 2)))
+    return guarded((aa * gg).sum((1, 2)), gram_trace(aa), max_abs(a, (1, 2)),
+                   gram_trace(gg), max_abs(g, (1, 2)))
 
 
 def compute_linear_norm_sq_sample(

@@ -96,18 +96,35 @@ def sq_sum(x: torch.Tensor, dim: int | tuple[int, ...], *, wide: bool = False) -
     return torch.linalg.vector_norm(x, dim=dim).square()
 
 
-def zero_gram(gram: torch.Tensor) -> torch.Tensor:
-    """``(..., L, L) -> (...)``: whether a Gram ``x xᵀ`` is of a zero ``x`` (its diagonal, the
-    squared row norms, sums to 0), read without another pass over ``x``."""
-    return gram.diagonal(dim1=-2, dim2=-1).sum(-1) == 0
+def max_abs(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``max |x|`` over ``dims`` (one reduction, no copy)."""
+    return torch.linalg.vector_norm(x, ord=float("inf"), dim=dims)
 
 
-def norm_product_sq(na: torch.Tensor, ng: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``(‖a‖·‖g‖)²`` per sample, the squared norm of a rank-one ``g aᵀ``: the product is formed
-    before squaring (``‖a‖²·‖g‖²`` overflows while the result is finite), and it is exactly 0
-    where ``zero`` (``a`` or ``g`` is zero): an overflowed ``‖a‖ = inf`` times the
-    ``‖g‖ = 0`` of a dead or saturated unit is the norm of a zero gradient, not NaN."""
-    return torch.where(zero, 0.0, na * ng).square()
+def guarded(value: torch.Tensor, sq_a: torch.Tensor, max_a: torch.Tensor, sq_g: torch.Tensor,
+            max_g: torch.Tensor) -> torch.Tensor:
+    """A per-sample squared norm ``value`` of a product of two factors ``a`` and ``g``, given
+    each factor's squared-norm-like measure (a norm, a Gram's trace) and its ``max |·|``: 0
+    where a factor is exactly 0 (even if the other's measure overflowed: ``inf · 0``), NaN
+    where a factor's measure underflowed to 0 although it is not 0 (the product would
+    under-state the norm). A NaN or inf norm gets clip factor 0: the sample is dropped, never
+    released unclipped."""
+    zero = (max_a == 0) | (max_g == 0)
+    bad = ((sq_a == 0) & (max_a > 0)) | ((sq_g == 0) & (max_g > 0))
+    return torch.where(zero, 0.0, torch.where(bad, float("nan"), value))
+
+
+def gram_trace(gram: torch.Tensor) -> torch.Tensor:
+    """``(..., L, L) -> (...)``: the trace of a Gram ``x xᵀ``, ``‖x‖²``."""
+    return gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
+def norm_product_sq(a: torch.Tensor, g: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``(‖a‖·‖g‖)²`` per sample over ``dims``, the squared norm of a rank-one ``g aᵀ``, with
+    the norms accumulated in float32 for float16/bfloat16 and the product formed before
+    squaring (``‖a‖²·‖g‖²`` overflows while the result is finite); :func:`guarded`."""
+    na, ng = l2_norms(a, dims), l2_norms(g, dims)
+    return guarded(na * ng, na, max_abs(a, dims), ng, max_abs(g, dims)).square()
 
 
 def sq_norms(gs: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,68 @@ class _Call:
     inputs: tuple = ()
 
 
+#: ops whose result's rows depend on their position: they do not keep copies' rows equal (a
+#: causal mask ``torch.ones(T, T).tril()`` when ``T = B``)
+_ROW_DEPENDENT = frozenset(
+    f"{n}{suffix}" for suffix in ("", "_") for n in (
+        "tril", "triu", "diag", "diagonal", "diag_embed", "diagflat", "rot90", "unfold",
+        "fill_diagonal", "masked_scatter", "take", "index_put",
+    )
+)
+#: ops along a dimension (``dim`` / ``dims``, second positional argument): they break copies'
+#: equal rows only along the batch dimension (``cumsum`` over the sequence keeps them)
+_ALONG_DIM = frozenset(
+    f"{n}{suffix}" for suffix in ("", "_") for n in (
+        "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "flip", "sort", "argsort",
+        "gather", "scatter", "scatter_add", "scatter_reduce", "index_select", "index_add",
+        "index_copy", "index_fill", "take_along_dim",
+    )
+)
+
+
+def _breaks_rows(func, args: tuple, kwargs: dict, bdim: int) -> bool:
+    """Whether ``func(*args, **kwargs)`` may make equal rows (along ``bdim``) unequal: a
+    position-dependent op, an op along ``bdim``, or one that moves ``bdim`` (``transpose``,
+    ``permute``, ``movedim``, ``t``, ``flip``, ``roll``)."""
+    name = getattr(func, "__name__", "")
+    if name in _ROW_DEPENDENT:
+        return True
+    src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if src is None:
+        return False
+    nd = max(src.dim(), 1)
+
+    def norm(d) -> int:
+        return d % nd if isinstance(d, int) else d
+
+    if name in _ALONG_DIM or name in ("roll", "roll_"):
+        dims = kwargs.get("dims", kwargs.get("dim"))
+        if dims is None and name in ("roll", "roll_"):
+            dims = args[2] if len(args) > 2 else None
+            if dims is None:  # a flattened roll moves every element
+                return True
+        elif dims is None:
+            dims = args[1] if len(args) > 1 else -1
+        dims = dims if isinstance(dims, (list, tuple)) else (dims,)
+        return any(norm(d) == bdim for d in dims if isinstance(d, int))
+    if name in ("transpose", "transpose_", "swapaxes", "swapdims", "swapaxes_", "swapdims_"):
+        d = [kwargs.get(k) for k in ("dim0", "dim1")] if "dim0" in kwargs else list(args[1:3])
+        return any(isinstance(x, int) and norm(x) == bdim for x in d)
+    if name in ("t", "t_"):
+        return bdim <= 1
+    if name == "permute":
+        dims = kwargs.get("dims")
+        if dims is None:
+            one = len(args) == 2 and isinstance(args[1], (list, tuple))
+            dims = args[1] if one else args[1:]
+        return len(dims) > bdim and norm(dims[bdim]) != bdim
+    if name in ("movedim", "moveaxis"):
+        moved = [*args[1:3], kwargs.get("source"), kwargs.get("destination")]
+        flat = [d for m in moved for d in (m if isinstance(m, (list, tuple)) else (m,))]
+        return any(isinstance(d, int) and norm(d) == bdim for d in flat)
+    return False
+
+
 _CONSTANT_FACTORIES = frozenset(
     ("zeros", "ones", "full", "empty", "new_zeros", "new_ones", "new_full", "new_empty")
 )
@@ -202,9 +264,12 @@ class UseTrace(TorchFunctionMode):
         if any(id(t) in self.batched for t in inputs):
             for t in outs:
                 self.batched[id(t)] = t
-        elif self._copies(func, inputs, outs):
+        elif self._copies(func, inputs, outs, args, kwargs):
             for t in outs:
                 self.copies[id(t)] = t
+        if self.copies and _breaks_rows(func, args, kwargs, self.bdim):  # (in place: the same
+            for t in outs:                                              # tensor stays tagged)
+                self.copies.pop(id(t), None)
         if not self.check_uses or not any(t.requires_grad for t in outs):
             return out
         carried: set[int] = set()
@@ -253,7 +318,7 @@ class UseTrace(TorchFunctionMode):
             for o in outs:
                 self.expanded[id(o)] = o
 
-    def _copies(self, func, inputs: list, outs: list) -> bool:
+    def _copies(self, func, inputs: list, outs: list, args: tuple = (), kwargs: dict | None = None) -> bool:
         """Whether ``func`` made ``B`` identical rows out of data that is the same for every
         sample: a constant created with ``B`` rows (``torch.zeros(input_shape)``), an
         ``expand``/``repeat`` to ``B`` rows (Hugging Face's ``token_type_ids`` buffer), or an
@@ -267,6 +332,8 @@ class UseTrace(TorchFunctionMode):
         if o.dim() <= self.bdim or o.shape[self.bdim] != b:
             return False
         name = getattr(func, "__name__", "")
+        if _breaks_rows(func, args, kwargs or {}, self.bdim):
+            return False
         if name in _CONSTANT_FACTORIES:
             return not inputs or name.startswith("new_")
         if name in ("expand", "expand_as", "broadcast_to", "repeat") and inputs:

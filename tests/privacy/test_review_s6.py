@@ -423,3 +423,229 @@ def test_float16_per_sample_norm_above_256_is_clipped_not_dropped(per_layer):
     opt.step()
     released = torch.sqrt(sum(p.grad.float().pow(2).sum() for p in model.parameters()))
     assert abs(float(released) - 1.0) < 2e-3  # sqrt(0.6² + 0.8²) = 1: clipped to the bound
+
+
+class _FactoryMaskModel(_SharedMaskModel):
+    """The causal mask is built in the forward pass from the sequence length, as attention
+    code does: at ``T = B`` its factory makes ``B`` rows, but they are not equal."""
+
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def forward(self, x):
+        t = x.shape[1]
+        return self.head(torch.tanh(self.mix(x, self.build(t, x.dtype)))).sum(1)
+
+
+_MASKS = {
+    "tril(ones)": lambda t, dt: torch.tril(torch.ones(t, t, dtype=dt)),
+    "ones.tril_": lambda t, dt: torch.ones(t, t, dtype=dt).tril_(),
+    "masked_fill": lambda t, dt: torch.zeros(t, t, dtype=dt).masked_fill(
+        torch.ones(t, t, dtype=torch.bool).triu(1), -3.0),
+}
+
+
+@pytest.mark.parametrize("mask", sorted(_MASKS))
+@pytest.mark.parametrize("mode", MODES)
+def test_causal_mask_built_in_forward_at_t_equals_b_is_shared(mode, mask):
+    """*Finding* (ghost: silent privacy failure, 1.61 C released; hooks/functorch/bk: wrong
+    gradients): the trace took a mask made by a factory with ``B`` rows, then ``tril``-ed, for
+    identical batch rows (copies), so it was sliced per sample. Copies must now have equal
+    rows (checked on the traced pass)."""
+    torch.manual_seed(0)
+    model = _FactoryMaskModel(_MASKS[mask]).to(DT)
+    x, y = torch.randn(4, 4, 3, dtype=DT), torch.randn(4, 1, dtype=DT)
+    assert_exact_or_refused(model, mode, x, y, 0.05, must_work=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("positions", [None, 3])
+@pytest.mark.parametrize("mode", ["ghost", "bk"])
+def test_underflowed_norm_never_releases_an_unclipped_gradient(mode, positions, dtype):
+    """*Finding* (silent privacy failure, a regression of the overflow fix): activations whose
+    squares underflow (1e-23 in float32) with a huge output gradient gave the norm 0, clip
+    factor 1, and the record's gradient (norm 2.2) was released unclipped with C = 0.1. An
+    underflowed norm of a non-zero input is now NaN: clip factor 0 (the record is dropped)."""
+    tiny, huge = (1e-23, 1e23) if dtype == torch.float32 else (1e-165, 1e165)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 1)).to(dtype)
+    model[1].requires_grad_(False)
+    shape = (1,) if positions is None else (1, positions)
+    x = torch.full((*shape, 4), tiny, dtype=dtype)
+    y = torch.full((*shape, 1), huge, dtype=dtype)
+    got = dp_update(model, mode, x, y, 0.1)["0.weight"]
+    assert torch.isfinite(got).all()
+    assert float(got.norm()) <= 0.1 * (1 + 1e-5)
+
+
+# --------------------------------------------------------------------------- second review
+class _TransposedProj(nn.Module):
+    """A torch.func-sampled layer whose output is a transposed (non-contiguous) view."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(4, 4) * 0.5)
+
+    def forward(self, x):
+        return (x @ self.W).transpose(1, 2)
+
+
+class _TransposedTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = _TransposedProj()
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x):
+        a = torch.tanh(self.p(0.5 * x))
+        b = self.p(x)
+        b.relu_()  # in place on the second call's (view) output
+        return self.head(a + b).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_in_place_op_on_a_transposed_view_output_is_exact(mode):
+    """*Finding* (ghost: 13.7 released with C = 0.1; hooks/functorch/bk: that call dropped):
+    only reshaping views were hooked on their base. Any view without overlap of a contiguous
+    tensor the call created now is, its gradient read back with the view's strides."""
+    torch.manual_seed(0)
+    model = _TransposedTwice().to(DT)
+    x, y = torch.randn(5, 5, 4, dtype=DT), 3 * torch.randn(5, 1, dtype=DT)
+    assert_exact_or_refused(model, mode, x, y, 0.3, must_work=True)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk"])
+def test_module_works_after_a_refused_backward(mode):
+    """*Finding* (bk: later steps updated nothing while charged; hooks: every later step
+    refused): the second-backward refusal left the pass open for ever. It is now decided
+    before the pass opens, and a pass left open by a backward that raised is dropped at the
+    next forward pass."""
+    from dptorch.grad_sample import wrap_model
+    from dptorch.optimizers import get_optimizer_class
+
+    from .invariants import sample_loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    xy = torch.randn(6, 4, dtype=DT), torch.randn(6, 2, dtype=DT)
+    ref = reference_update(model, *xy, 0.5)
+    cls = get_optimizer_class("flat", False, mode)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+              max_grad_norm=0.5, expected_batch_size=6, loss_reduction="sum")
+    gsm = wrap_model(model, mode, loss_reduction="sum",
+                     **({"clipping": opt.clipping} if mode == "bk" else {}))
+    opt.zero_grad()
+    out = gsm(torch.randn(6, 4, dtype=DT))
+    sample_loss(out, torch.zeros(6, 2, dtype=DT)).backward(retain_graph=True)
+    with pytest.raises(ValueError, match="second backward"):
+        sample_loss(out, torch.zeros(6, 2, dtype=DT)).backward()
+    opt.zero_grad()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sample_loss(gsm(xy[0]), xy[1]).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_batch_memory_manager_pass_broken_off_and_restarted_drops_its_sums(mode):
+    """*Finding* (silent privacy failure): breaking off a logical batch and iterating the
+    loader again inside the same ``with`` block released the abandoned physical batches'
+    clipped sums with the next logical batch (25 clipped samples for a batch of 21)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dptorch import PrivacyEngine
+    from dptorch.utils.batch_memory_manager import BatchMemoryManager
+
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1, bias=False)
+    extra = {"criterion": nn.MSELoss(reduction="sum")} if mode == "bk" else {}
+    out = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(torch.ones(40, 1)), batch_size=20),
+        noise_multiplier=0.0, max_grad_norm=1.0, grad_sample_mode=mode, loss_reduction="sum",
+        **extra)
+    gsm, opt, dl = out[0], out[1], out[-1]
+    released, fed = [], 0
+    with BatchMemoryManager(data_loader=dl, max_physical_batch_size=4, optimizer=opt) as loader:
+        for (x,) in loader:
+            opt.zero_grad()
+            gsm(x).sum().mul(1000).backward()
+            opt.step()
+            if opt.last_step_skipped:
+                break  # mid logical batch
+        for (x,) in loader:
+            opt.zero_grad()
+            w = model.weight.detach().clone()
+            gsm(x).sum().mul(1000).backward()
+            opt.step()
+            fed += len(x)
+            if not opt.last_step_skipped:
+                released.append(float((w - model.weight.detach()).abs()))
+                break
+    assert released and released[0] == pytest.approx(fed)  # one clipped unit per fed sample
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_input_recorded_by_the_trace_is_sliced_when_its_shape_changes(mode):
+    """*Finding* (silent privacy failure, contrived): an input recorded as shared on the traced
+    pass stayed shared when later passes gave batch data at that position (every sample saw
+    sample 0's). Shared means the same shape as on the traced pass."""
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+
+        def forward(self, x, ctx):
+            return x * self.w * ctx[: x.shape[0]]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix, self.head = Mix(), nn.Linear(3, 1)
+            self.per_sample = False
+
+        def forward(self, x):
+            ctx = x.tanh() if self.per_sample else torch.full((3,), 0.5, dtype=x.dtype)
+            return self.head(self.mix(x, ctx))
+
+    torch.manual_seed(0)
+    model = Model().to(DT)
+    x, y = torch.randn(5, 3, dtype=DT), torch.randn(5, 1, dtype=DT)
+
+    def switch(m, opt, gsm):
+        gsm(torch.randn(4, 3, dtype=DT))  # the traced pass: ctx is a shared (3,) constant
+        m.per_sample = True
+
+    got = dp_update(model, mode, x, y, 0.5, before_backward=switch)
+    model.per_sample = True
+    want = reference_update(model, x, y, 0.5)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("call, breaks", [
+    (lambda x: (torch.Tensor.transpose, (x, 1, 2), {}), False),
+    (lambda x: (torch.Tensor.transpose, (x, 0, 2), {}), True),
+    (lambda x: (torch.Tensor.permute, (x, 0, 2, 1), {}), False),
+    (lambda x: (torch.Tensor.permute, (x, (1, 0, 2)), {}), True),
+    (lambda x: (torch.cumsum, (x, 1), {}), False),
+    (lambda x: (torch.cumsum, (x,), {"dim": 0}), True),
+    (lambda x: (torch.roll, (x, 1), {}), True),
+    (lambda x: (torch.roll, (x, 1, 2), {}), False),
+    (lambda x: (torch.tril, (x,), {}), True),
+    (lambda x: (torch.add, (x, x), {}), False),
+])
+def test_ops_that_break_equal_rows(call, breaks):
+    """The trace's rule for batch copies: only ops that act on the batch dimension (or on a
+    row's position) make equal rows unequal; the result must match the values."""
+    from dptorch.grad_sample.use_trace import _breaks_rows
+
+    x = torch.arange(5.0).repeat(4, 6, 1).transpose(1, 2).contiguous()  # (4, 5, 6), rows equal
+    func, args, kwargs = call(x)
+    out = func(*args, **kwargs)
+    equal = bool(torch.equal(out, out[:1].expand_as(out)))
+    assert _breaks_rows(func, args, kwargs, 0) == breaks
+    if not breaks:
+        assert equal
