@@ -386,7 +386,19 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         targets, self._outputs = self._outputs, []
         if not targets or not loss.requires_grad:
             return
-        torch.autograd.grad(loss, targets, retain_graph=True, allow_unused=True)
+        try:
+            torch.autograd.grad(loss, targets, retain_graph=True, allow_unused=True)
+        except RuntimeError as e:
+            if "use_reentrant" not in str(e):
+                raise
+            raise ValueError(
+                "grad_sample_mode='ghost' computes the per-sample norms with a first, partial "
+                "backward pass (torch.autograd.grad), which reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True) does not support. Use "
+                "non-reentrant checkpointing (Hugging Face: model.gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False})), or "
+                "grad_sample_mode='bk' or 'hooks', which support both."
+            ) from e
 
     def check_can_clip(self) -> None:
         """Raises ``ValueError`` when a new clipped sum may not be added to ``p.grad``: the

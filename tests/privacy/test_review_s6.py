@@ -649,3 +649,22 @@ def test_ops_that_break_equal_rows(call, breaks):
     assert _breaks_rows(func, args, kwargs, 0) == breaks
     if not breaks:
         assert equal
+
+
+def test_ghost_with_reentrant_checkpointing_says_what_to_do():
+    """Reentrant checkpointing cannot serve ghost's partial norm pass (torch.autograd.grad):
+    a ValueError with the fix, not torch's own message (Opacus fails too)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.b(checkpoint(lambda h: torch.tanh(self.a(h)), x, use_reentrant=True))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 1, dtype=DT)
+    with pytest.raises(ValueError, match="use_reentrant"):
+        dp_update(Net().to(DT), "ghost", x, y, 1.0)
