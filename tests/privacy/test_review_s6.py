@@ -659,10 +659,11 @@ def test_ghost_with_reentrant_checkpointing_says_what_to_do():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 1)
+            self.e, self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
 
         def forward(self, x):
-            return self.b(checkpoint(lambda h: torch.tanh(self.a(h)), x, use_reentrant=True))
+            h = self.e(x)  # requires grad: the checkpointed block gets gradients
+            return self.b(checkpoint(lambda h: torch.tanh(self.a(h)), h, use_reentrant=True))
 
     torch.manual_seed(0)
     x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 1, dtype=DT)
