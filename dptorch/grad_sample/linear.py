@@ -21,9 +21,6 @@ from .norm_samplers import (
     acc_dtype,
     clip_weighted_pair,
     ghost_is_cheaper,
-    gram_trace,
-    guarded,
-    max_abs,
     norm_product_sq,
     position_sum,
     positions,
@@ -88,8 +85,8 @@ def _gram_norms(a: torch.Tensor, g: torch.Tensor, gg: torch.Tensor | None = None
 
     Overflow-safe where the result is finite: float16/bfloat16 inputs are reduced (one
     position) or multiplied (Grams) in float32; one position gives ``(‖a‖·‖g‖)²``, not
-    ``‖a‖²·‖g‖²``; a zero factor gives 0, a factor whose norm or Gram underflowed or
-    overflowed gives NaN or inf, whose clip factor is 0 (:func:`guarded`)."""
+    ``‖a‖²·‖g‖²``. A norm that still overflows is inf or NaN (``inf · 0``), whose clip factor
+    is 0: the sample is dropped, never released unclipped."""
     if a.shape[1] == 1:
         return norm_product_sq(a, g, (1, 2))
     a = widened(a)
@@ -97,8 +94,7 @@ def _gram_norms(a: torch.Tensor, g: torch.Tensor, gg: torch.Tensor | None = None
     if gg is None:
         g = widened(g)
         gg = torch.bmm(g, g.transpose(1, 2))
-    return guarded((aa * gg).sum((1, 2)), gram_trace(aa), max_abs(a, (1, 2)),
-                   gram_trace(gg), max_abs(g, (1, 2)))
+    return (aa * gg).sum((1, 2))
 
 
 def compute_linear_norm_sq_sample(
@@ -206,6 +202,8 @@ def linear_input_grad_only(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     The function runs on ``x`` flattened to 2-d and the result is reshaped outside it: a view
     made inside a custom Function cannot be modified in place (``nn.ReLU(inplace=True)`` after
     a Linear on ``(B, T, d)``), a view of its output can."""
+    if x.dim() == 2:
+        return _LinearInputGradOnly.apply(x, layer.weight, layer.bias)
     lead = x.shape[:-1]
     out = _LinearInputGradOnly.apply(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias)
     return out.view(*lead, out.shape[-1])

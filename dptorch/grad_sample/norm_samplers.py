@@ -96,35 +96,13 @@ def sq_sum(x: torch.Tensor, dim: int | tuple[int, ...], *, wide: bool = False) -
     return torch.linalg.vector_norm(x, dim=dim).square()
 
 
-def max_abs(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """``max |x|`` over ``dims`` (one reduction, no copy)."""
-    return torch.linalg.vector_norm(x, ord=float("inf"), dim=dims)
-
-
-def guarded(value: torch.Tensor, sq_a: torch.Tensor, max_a: torch.Tensor, sq_g: torch.Tensor,
-            max_g: torch.Tensor) -> torch.Tensor:
-    """A per-sample squared norm ``value`` of a product of two factors ``a`` and ``g``, given
-    each factor's squared-norm-like measure (a norm, a Gram's trace) and its ``max |·|``: 0
-    where a factor is exactly 0 (even if the other's measure overflowed: ``inf · 0``), NaN
-    where a factor's measure underflowed to 0 although it is not 0 (the product would
-    under-state the norm). A NaN or inf norm gets clip factor 0: the sample is dropped, never
-    released unclipped."""
-    zero = (max_a == 0) | (max_g == 0)
-    bad = ((sq_a == 0) & (max_a > 0)) | ((sq_g == 0) & (max_g > 0))
-    return torch.where(zero, 0.0, torch.where(bad, float("nan"), value))
-
-
-def gram_trace(gram: torch.Tensor) -> torch.Tensor:
-    """``(..., L, L) -> (...)``: the trace of a Gram ``x xᵀ``, ``‖x‖²``."""
-    return gram.diagonal(dim1=-2, dim2=-1).sum(-1)
-
-
 def norm_product_sq(a: torch.Tensor, g: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """``(‖a‖·‖g‖)²`` per sample over ``dims``, the squared norm of a rank-one ``g aᵀ``, with
     the norms accumulated in float32 for float16/bfloat16 and the product formed before
-    squaring (``‖a‖²·‖g‖²`` overflows while the result is finite); :func:`guarded`."""
-    na, ng = l2_norms(a, dims), l2_norms(g, dims)
-    return guarded(na * ng, na, max_abs(a, dims), ng, max_abs(g, dims)).square()
+    squaring (``‖a‖²·‖g‖²`` overflows while the result is finite). Where a norm still
+    overflows the result is inf or NaN (``inf · 0``), whose clip factor is 0: the sample is
+    dropped, never released unclipped."""
+    return (l2_norms(a, dims) * l2_norms(g, dims)).square()
 
 
 def sq_norms(gs: torch.Tensor) -> torch.Tensor:
