@@ -250,7 +250,7 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
             del p.grad_sample
 
     # ------------------------------------------------------------------ end of backward
-    def _on_unit_forward(self, module: nn.Module, args, output) -> None:
+    def _on_unit_forward(self, module: nn.Module, args, output) -> torch.Tensor | None:
         if not self.training or not torch.is_grad_enabled():
             return
         for t in tensors_in(output):  # also a backward from an intermediate tensor
@@ -266,6 +266,11 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
         if isinstance(module, nn.Embedding) and module.padding_idx is not None:
             padding = (module, args[0].detach())
         out.register_hook(partial(self._on_unit_backprops, padding, None))
+        if out._is_view():
+            # a view made inside ExpandedWeights' Function (a Linear on (B, T, d)) cannot be
+            # modified in place (nn.ReLU(inplace=True), h += x): the layer returns a copy
+            return out.clone()
+        return None
 
     def _on_unit_backprops(self, padding, empty_unit: nn.Module | None, grad: torch.Tensor) -> None:
         if empty_unit is not None:

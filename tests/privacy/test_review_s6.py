@@ -669,3 +669,13 @@ def test_ghost_with_reentrant_checkpointing_says_what_to_do():
     x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 1, dtype=DT)
     with pytest.raises(ValueError, match="use_reentrant"):
         dp_update(Net().to(DT), "ghost", x, y, 1.0)
+
+
+def test_ew_in_place_op_after_a_linear_on_sequences_is_exact():
+    """ew: a Linear on ``(B, T, d)`` returned a view made inside ExpandedWeights' Function, which
+    torch refuses to modify in place (``nn.ReLU(inplace=True)``, ``h += x``): the layer now
+    returns a copy, and the step is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 1)).to(DT)
+    x, y = torch.randn(5, 6, 4, dtype=DT), torch.randn(5, 6, 1, dtype=DT)
+    assert_exact_or_refused(model, "ew", x, y, 0.2, must_work=True)
