@@ -159,7 +159,7 @@ class BatchMemoryManager:
         self.max_physical_batch_size = max_physical_batch_size
 
     def __enter__(self) -> DataLoader:
-        self._drop_unfinished()
+        drop_unfinished(self.optimizer)
         return wrap_data_loader(
             data_loader=self.data_loader,
             max_batch_size=self.max_physical_batch_size,
@@ -167,9 +167,6 @@ class BatchMemoryManager:
         )
 
     def __exit__(self, exc_type, exc_value, traceback) -> None:
-        self._drop_unfinished()
-
-    def _drop_unfinished(self) -> None:
         drop_unfinished(self.optimizer)
 
 

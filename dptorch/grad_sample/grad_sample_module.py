@@ -505,6 +505,10 @@ class GradSampleModule(AbstractGradSampleModule):
             hooked.register_hook(partial(_view_grad, on_grad, out.detach(), hooked))
         return new_output
 
+    def module_name(self, module: nn.Module) -> str:
+        """``module``'s path in the wrapped model (its class name if it is not a submodule)."""
+        return self._module_names.get(id(module), type(module).__name__)
+
     def _uses_functorch(self, module: nn.Module) -> bool:
         return self.force_functorch or type(module) not in self.GRAD_SAMPLERS
 
@@ -544,7 +548,7 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def _on_backprops(self, module, activations, kwargs, fwd, passes: list, grad):
         if torch.is_grad_enabled():  # even with the backward hooks off: nothing sees that use
-            name = self._module_names.get(id(module), type(module).__name__)
+            name = self.module_name(module)
             raise ValueError(
                 f"A backward pass with create_graph=True went through {name} "
                 f"({type(module).__name__}), a layer whose per-sample gradients are hooked. A "
@@ -571,7 +575,7 @@ class GradSampleModule(AbstractGradSampleModule):
         # the end-of-pass callback of a failed backward)
         current = self._pass if self._callback_queued else None
         if passes and passes[0] is not current and not self.multi_pass:
-            name = self._module_names.get(id(module), type(module).__name__)
+            name = self.module_name(module)
             raise ValueError(
                 f"A second backward pass went through the same forward pass of {name} "
                 f"({type(module).__name__}) (backward(retain_graph=True), then another "
@@ -621,7 +625,7 @@ class GradSampleModule(AbstractGradSampleModule):
         the wrapped module's input (for layers following the module's ``batch_first``), and
         the same for every call of the pass. A layer fed shrinking batches (recurrent layers)
         declares ``max_batch_len`` and is padded to it; nothing else is ever padded."""
-        name = self._module_names.get(id(module), type(module).__name__)
+        name = self.module_name(module)
         declared = getattr(module, "max_batch_len", None)
         if declared:
             if rows > declared:

@@ -224,7 +224,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         check = rule.batch_grad_not_a_sum if rule is not None else None
         reason = check(module) if check is not None and self.sampled_params(module) else None
         if reason:
-            name = self._module_names.get(id(module), type(module).__name__)
+            name = self.module_name(module)
             raise NotImplementedError(
                 f"{type(module).__name__} '{name}': ghost clipping lets autograd form the clipped "
                 f"sum in its second backward pass, but {reason}; the released gradient would not "

@@ -264,11 +264,12 @@ class UseTrace(TorchFunctionMode):
         if any(id(t) in self.batched for t in inputs):
             for t in outs:
                 self.batched[id(t)] = t
-        elif self._copies(func, inputs, outs, args, kwargs):
+        elif self._copies(func, inputs, outs):
             for t in outs:
                 self.copies[id(t)] = t
-        if self.copies and _breaks_rows(func, args, kwargs, self.bdim):  # (in place: the same
-            for t in outs:                                              # tensor stays tagged)
+        # what _copies tagged, or an in-place op's own tensor, unless rows may now differ
+        if self.copies and _breaks_rows(func, args, kwargs, self.bdim):
+            for t in outs:
                 self.copies.pop(id(t), None)
         if not self.check_uses or not any(t.requires_grad for t in outs):
             return out
@@ -318,7 +319,7 @@ class UseTrace(TorchFunctionMode):
             for o in outs:
                 self.expanded[id(o)] = o
 
-    def _copies(self, func, inputs: list, outs: list, args: tuple = (), kwargs: dict | None = None) -> bool:
+    def _copies(self, func, inputs: list, outs: list) -> bool:
         """Whether ``func`` made ``B`` identical rows out of data that is the same for every
         sample: a constant created with ``B`` rows (``torch.zeros(input_shape)``), an
         ``expand``/``repeat`` to ``B`` rows (Hugging Face's ``token_type_ids`` buffer), or an
@@ -332,8 +333,6 @@ class UseTrace(TorchFunctionMode):
         if o.dim() <= self.bdim or o.shape[self.bdim] != b:
             return False
         name = getattr(func, "__name__", "")
-        if _breaks_rows(func, args, kwargs or {}, self.bdim):
-            return False
         if name in _CONSTANT_FACTORIES:
             return not inputs or name.startswith("new_")
         if name in ("expand", "expand_as", "broadcast_to", "repeat") and inputs:
