@@ -675,18 +675,20 @@ def _unit_views(
     params: list[nn.Parameter], passes: list | None = None
 ) -> list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | list[torch.Tensor]]]:
     """``(p, per-unit view (P, B, *p.shape), aligned grad_sample)``: accumulated lists aligned
-    by the step record's passes (:func:`_aligned`) and concatenated. Without a record (per-sample
-    gradients set by hand) shorter batches are zero-padded at the end."""
+    by the step record's passes (:func:`_aligned`) and concatenated. Every view must have the same
+    ``(P, B)``: row ``i`` of each parameter is sample ``i``, so rows are never padded."""
     views = []
     for p in params:
         gs = _aligned(p, passes or [])
         flat = torch.cat(gs, dim=0) if isinstance(gs, list) else gs
         views.append((p, _as_passes(flat, p), gs))
-    b = max((v.shape[1] for _, v, _ in views), default=0)
-    out = []
-    for p, v, gs in views:
-        if v.shape[1] < b:
-            pad = v.new_zeros((v.shape[0], b - v.shape[1], *v.shape[2:]))
-            v = torch.cat([v, pad], dim=1)
-        out.append((p, v, gs))
-    return out
+    shapes = {tuple(v.shape[:2]) for _, v, _ in views}
+    if len(shapes) > 1:
+        raise ValueError(
+            "Per-sample gradients of this step have different numbers of rows (passes, samples): "
+            f"{sorted(shapes)}. Row i of every parameter must be sample i of one batch, so they "
+            "cannot be clipped together. Run one forward and backward pass of one batch through "
+            "the wrapped model (or models of equal batch size) per optimizer step, and call "
+            "optimizer.zero_grad() between steps."
+        )
+    return views
