@@ -445,7 +445,10 @@ class GradSampleModule(AbstractGradSampleModule):
             self._call_floors.setdefault(id(module), []).append(next_sequence_nr())
         if self._trace is not None and module.training:
             with self._trace.paused():
-                self._trace.enter(module, set(self.sampled_ids(module)), (args, kwargs))
+                self._trace.enter(
+                    module, set(self.sampled_ids(module)), (args, kwargs),
+                    0 if module_batch_first(module, self.batch_first) else 1,
+                )
 
     # ------------------------------------------------------------------ capture
     def _forward_hook(self, module, args, kwargs, output):

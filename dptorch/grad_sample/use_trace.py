@@ -15,7 +15,11 @@ its output's gradient. They are exact only if
 4. an expanded output keeps its batch axis, row ``b`` for sample ``b``, until it meets batch
    data: an op that merges, moves, indexes or reduces that axis first (``reshape(-1, d)``,
    ``[index]``, ``sum(0)``) would credit every sample's gradient to the first rows, and is
-   refused.
+   refused;
+5. a call's batch input has the batch in the layer's batch dimension: the trace follows the
+   batch axis through ops that move it (``x.transpose(0, 1)``, ``permute``, ``view``), so that a
+   ``(T, B, d)`` input of a batch-first layer is refused even when ``T = B``, where counting
+   rows cannot tell positions from samples (XLNet, FSMT, Longformer).
 
 :class:`UseTrace` is a ``TorchFunctionMode`` run around one forward pass (the first after
 wrapping, and after the trainable parameters change). It tags every tensor computed inside a
@@ -34,6 +38,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .batch_axis import kept_axis, out_axis
+
 __all__ = ["UseTrace", "mark_batched", "tensors_in"]
 
 _ACTIVE: list[UseTrace] = []
@@ -44,6 +50,7 @@ def mark_batched(t: torch.Tensor) -> torch.Tensor:
     adapter expanded to the batch). Returns ``t``; a no-op when no trace runs."""
     for tr in _ACTIVE:
         tr.batched[id(t)] = t
+        tr.axis[id(t)] = tr.bdim if t.dim() > tr.bdim else None
     return t
 
 
@@ -66,6 +73,7 @@ class _Call:
     sampled: frozenset[int]
     batched: bool
     inputs: tuple = ()
+    bdim: int = 0
 
 
 #: ops whose result's rows depend on their position: they do not keep copies' rows equal (a
@@ -164,6 +172,10 @@ class UseTrace(TorchFunctionMode):
         self.module_names = module_names
         self.batch_size = batch_size
         self.batched: dict[int, torch.Tensor] = {id(t): t for t in batch_inputs}
+        #: the batch axis of batched tensors where the trace can follow it (``None``: unknown)
+        self.axis: dict[int, int | None] = {
+            id(t): bdim if t.dim() > bdim else None for t in batch_inputs
+        }
         self.expanded: dict[int, torch.Tensor] = {}
         self.copies: dict[int, torch.Tensor] = {}
         self.tags: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
@@ -173,6 +185,9 @@ class UseTrace(TorchFunctionMode):
         self.problems: list[str] = []
         self._paused = 0
         self._next = 0
+        self._last_exit: str | None = None
+        self._moved = False
+        self.expanded_layers: dict[str, None] = {}  # names, in order
 
     # ------------------------------------------------------------------ module calls
     def from_batch(self, t: torch.Tensor) -> bool:
@@ -181,21 +196,48 @@ class UseTrace(TorchFunctionMode):
         return tid in self.batched or tid in self.expanded or tid in self.copies
 
     def mark_expanded(self, t: torch.Tensor) -> None:
-        """``t`` is a call's output expanded from a batch dimension of size 1 (rule 4)."""
+        """``t`` is the output of the call that just ended, expanded from a batch dimension of
+        size 1 (rule 4)."""
         self.expanded[id(t)] = t
+        if self._last_exit is not None:
+            self.expanded_layers.setdefault(self._last_exit, None)
 
-    def enter(self, module: nn.Module, sampled: set[int], inputs) -> None:
-        """A hooked call begins (forward pre-hook)."""
+    def enter(
+        self, module: nn.Module, sampled: set[int], inputs, bdim: int | None = None
+    ) -> None:
+        """A hooked call begins (forward pre-hook); ``bdim``: the layer's batch dimension
+        (default: the model's)."""
         batched = any(
             id(t) in self.batched or id(t) in self.expanded or id(t) in self.copies
             for t in tensors_in(inputs)
         )
         self._next += 1
-        self.calls[self._next] = _Call(
+        want = self.bdim if bdim is None else bdim
+        call = _Call(
             module, self.module_names.get(id(module), type(module).__name__), frozenset(sampled),
-            batched, tuple(tensors_in(inputs)),
+            batched, tuple(tensors_in(inputs)), want,
         )
+        self.calls[self._next] = call
         self.stack.append(self._next)
+        first = call.inputs[0] if call.inputs else None
+        # a layer that fixes its own layout (dptorch's DPMultiheadAttention projections, RNN
+        # cells: ``grad_sample_batch_first``) is fed by its owner's forward, which the trace
+        # need not follow
+        own = getattr(module, "grad_sample_batch_first", None) is not None
+        if sampled and not own and first is not None and id(first) in self.batched:
+            ax = self.axis.get(id(first), want)
+            if ax is not None and ax != want and not self._moved:  # the first layer is enough
+                self._moved = True
+                self.problems.append(
+                    f"{call.name} ({type(module).__name__}) receives an input of shape "
+                    f"{tuple(first.shape)} whose batch is in dimension {ax}, not in dimension "
+                    f"{want} where its per-sample gradients are taken (the model moved the "
+                    "batch axis, e.g. x.transpose(0, 1)): its rows are not the samples, and "
+                    "when that dimension's size equals the batch size nothing else tells them "
+                    "apart. Fix: keep the batch first in the layers that have trainable "
+                    "parameters (or, if every such layer takes (T, B, ...) inputs, wrap the "
+                    "model with batch_first=False), or freeze this layer."
+                )
 
     def exit(self, module: nn.Module, output, expanded: bool = False) -> None:
         """A hooked call ends (forward hook): its first output is the sanctioned exit;
@@ -208,14 +250,29 @@ class UseTrace(TorchFunctionMode):
         else:
             return
         call = self.calls[cid]
+        self._last_exit = call.name
         first = next(tensors_in(output), None)
         if call.batched:  # ops inside the call that the trace cannot see (custom Functions)
             # inputs that reach the batch only through copies or expanded tensors: expanded
             truly = any(id(t) in self.batched for t in call.inputs)
             marks = self.batched if truly else self.expanded
+            src = next((t for t in call.inputs if id(t) in self.batched), None)
             for t in tensors_in(output):
                 if id(t) not in self.batched and id(t) not in self.expanded:
                     marks[id(t)] = t
+                    if truly and src is not None:
+                        self.axis[id(t)] = kept_axis(self.axis.get(id(src)), src, t, self.batch_size)
+        # a sampled layer maps the rows of its batch dimension to the same rows of its output,
+        # however it computes them (bk's Linear runs on a flattened (B·T, d) view)
+        src = call.inputs[0] if call.inputs else None
+        if call.sampled and src is not None and id(src) in self.batched:
+            b, d = self.batch_size, call.bdim
+            for t in tensors_in(output):
+                if id(t) in self.batched:
+                    fits = t.dim() > d and (b is None or t.shape[d] == b)
+                    self.axis[id(t)] = d if fits else kept_axis(
+                        self.axis.get(id(src)), src, t, b
+                    )
         if first is not None:
             tag = self.tags.get(id(first))
             if tag is not None:
@@ -257,13 +314,34 @@ class UseTrace(TorchFunctionMode):
         if self._paused:
             return func(*args, **kwargs)
         inputs = list(tensors_in((args, kwargs)))
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            if not any(id(t) in self.expanded for t in inputs):
+                raise
+            name = getattr(func, "__name__", str(func))
+            raise ValueError(
+                f"{name} {self._where()} failed on a tensor that dptorch expanded to the batch "
+                f"from the output of {', '.join(self.expanded_layers) or 'a layer'}, which had a "
+                "batch dimension of size 1 (the layer was called on an input that does not come "
+                "from the batch, e.g. position ids of shape [1, T]); the model expects that "
+                "output to keep its size-1 batch dimension (it repeats it, or writes into it in "
+                f"place): {type(e).__name__}: {e}. Fix: feed that layer an input expanded to the "
+                "batch, or freeze it."
+            ) from e
         outs = [t for t in tensors_in(out) if isinstance(t, torch.Tensor)]
         if any(id(t) in self.expanded for t in inputs):
             self._check_expanded(func, inputs, outs)
         if any(id(t) in self.batched for t in inputs):
+            src = args[0] if args and id(args[0]) in self.batched else next(
+                t for t in inputs if id(t) in self.batched
+            )
+            ax = self.axis.get(id(src))
             for t in outs:
                 self.batched[id(t)] = t
+                self.axis[id(t)] = (
+                    None if ax is None else out_axis(func, args, kwargs, src, ax, t, self.batch_size)
+                )
         elif self._copies(func, inputs, outs):
             for t in outs:
                 self.copies[id(t)] = t

@@ -10,6 +10,8 @@ from torch import nn
 from dptorch.grad_sample import GradSampleModule
 from dptorch.optimizers import DPOptimizer
 
+from .invariants import MODES, assert_exact_or_refused, dp_update
+
 DT = torch.float64
 
 
@@ -59,3 +61,121 @@ def test_equal_rows_under_one_optimizer_still_clip_jointly():
     opt.step()
     for p, w in zip(params, want):
         torch.testing.assert_close(p.detach(), w, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- the batch axis, followed
+class _SeqFirstInside(nn.Module):
+    """Batch-first input ``(B, T, 3)``; the middle layer runs sequence first, ``(T, B, 8)``, as
+    XLNet, FSMT and Longformer do internally."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(3, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.inp(x).transpose(0, 1)
+        h = torch.tanh(self.mid(h))
+        return self.out(h.transpose(0, 1)).sum(1)
+
+
+class _AttentionLike(nn.Module):
+    """Moves dimensions the way attention does, with the batch staying first: must stay exact
+    when ``T = B`` (no false refusal)."""
+
+    def __init__(self, d: int = 4, heads: int = 2):
+        super().__init__()
+        self.qkv, self.proj, self.head = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, 2)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.mT / 2, dim=-1)
+        h = (att @ v).transpose(1, 2).reshape(b, t, d)
+        h = self.proj(h)[:, :, None].squeeze(2)
+        return self.head(h.movedim(1, 2).mean(-1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("t", [4, 5])
+def test_a_layer_fed_sequence_first_is_refused_even_when_t_equals_b(mode, t):
+    """*Finding* (every mode, silent): a batch-first model whose middle layer takes
+    ``(T, B, d)``. With ``T ≠ B`` the row count refused it; with ``T = B`` its positions were
+    clipped as samples (1.25 relative error; XLNet released 2–3 C for one record). The trace now
+    follows the batch axis through ``transpose`` and refuses the layer whatever T is."""
+    torch.manual_seed(0)
+    model = _SeqFirstInside().to(DT)
+    x, y = torch.randn(4, t, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    with pytest.raises(ValueError, match=r"mid \(Linear\) receives .* batch is in dimension 1"):
+        dp_update(model, mode, x, y, 0.5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dimension_moves_that_keep_the_batch_first_stay_exact_at_t_equals_b(mode):
+    torch.manual_seed(0)
+    model = _AttentionLike().to(DT)
+    x, y = torch.randn(4, 4, 4, dtype=DT), torch.randn(4, 2, dtype=DT)
+    assert assert_exact_or_refused(model, mode, x, y, 0.3, must_work=True) == "exact"
+
+
+class _TimeMajorMLP(nn.Module):
+    """``(T, B, 3) → (B, 2)``: every layer sequence first, summed over time at the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x))).sum(0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sequence_first_throughout_with_batch_first_false_is_exact(mode):
+    """``(T, B, d)`` everywhere, declared with ``batch_first=False``, at ``T = B``: exact."""
+    torch.manual_seed(0)
+    model = _TimeMajorMLP().to(DT)
+    x, y = torch.randn(4, 4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    assert assert_exact_or_refused(model, mode, x, y, 0.3, batch_first=False,
+                                   must_work=True) == "exact"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_xlnet_is_refused_when_its_sequence_length_equals_the_batch(mode):
+    """XLNet transposes ``input_ids`` to ``(T, B)`` before its embedding; at ``T = B`` dptorch
+    released 2–3 C for one record (Opacus 1.6 raises). Now refused at the embedding."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.XLNetConfig(vocab_size=32, d_model=16, n_layer=1, n_head=2, d_inner=32,
+                         dropout=0.0, num_labels=2)
+    torch.manual_seed(0)
+    model = tf.XLNetForSequenceClassification(cfg).to(DT)
+    from dptorch.grad_sample import wrap_model
+
+    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum")
+    ids = torch.randint(0, 32, (4, 4))
+    with pytest.raises(ValueError, match=r"word_embedding \(Embedding\) receives .* dimension 1"):
+        gsm(input_ids=ids)
+
+
+class _WritesIntoPositions(nn.Module):
+    """A position table called on ``[1, T]`` ids whose output the model scales in place (as
+    Longformer's global attention does to a batch-1 projection): dptorch expands that output
+    to the batch (a view), so the in-place op cannot run."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.out = nn.Embedding(10, 4), nn.Embedding(8, 4), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        p = self.pos(torch.arange(ids.shape[1])[None])
+        p.mul_(0.5)
+        return self.out(self.tok(ids) + p).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_op_failing_on_an_expanded_output_names_the_layer(mode):
+    """*Finding* (raw torch error): the failure now says which layer was expanded and why."""
+    torch.manual_seed(0)
+    model = _WritesIntoPositions().to(DT)
+    ids, y = torch.randint(0, 10, (3, 5)), torch.randn(3, 2, dtype=DT)
+    with pytest.raises(ValueError, match=r"mul_ .*expanded to the batch from the output of pos"):
+        dp_update(model, mode, ids, y, 0.5)
