@@ -114,12 +114,26 @@ def _vmap_grad(
             )
         return (out * g.unsqueeze(bdim)).sum()
 
-    return vmap(grad(sample_loss), in_dims=(None, 0, 0, 0))(
-        tuple(values),
-        tuple(activations[i] for i in batched_pos),
-        tuple(kwargs[k] for k in batched_kw),
-        backprops,
-    )
+    try:
+        return vmap(grad(sample_loss), in_dims=(None, 0, 0, 0))(
+            tuple(values),
+            tuple(activations[i] for i in batched_pos),
+            tuple(kwargs[k] for k in batched_kw),
+            backprops,
+        )
+    except RuntimeError as e:
+        if "functorch transform" not in str(e) and "vmap" not in str(e):
+            raise
+        hooks = [h for m in layer.modules() for h in (*m._forward_hooks.values(),
+                                                      *m._forward_pre_hooks.values())]
+        raise ValueError(
+            f"{label or type(layer).__name__}: torch.func cannot compute its per-sample "
+            f"gradients (vmap over the layer's call): {e.args[0].splitlines()[0]} "
+            + (f"The layer's own forward hooks run inside that call: {hooks}. " if hooks else "")
+            + "Fix: use grad_sample_mode='hooks' or 'bk' (no torch.func), remove the hook "
+            "(Hugging Face: gradient checkpointing adds one through enable_input_require_grads), "
+            "or register a grad sampler for the layer (dptorch.grad_sample.register_grad_sampler)."
+        ) from e
 
 
 def _check_no_nested_batch(label: str, activations: Sequence, kwargs: dict, rows: int) -> None:

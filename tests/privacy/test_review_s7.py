@@ -179,3 +179,20 @@ def test_an_op_failing_on_an_expanded_output_names_the_layer(mode):
     ids, y = torch.randint(0, 10, (3, 5)), torch.randn(3, 2, dtype=DT)
     with pytest.raises(ValueError, match=r"mul_ .*expanded to the batch from the output of pos"):
         dp_update(model, mode, ids, y, 0.5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_hook_torch_func_cannot_run_is_refused_in_functorch_mode(mode):
+    """*Finding* (raw torch error): Hugging Face's gradient checkpointing adds a forward hook
+    calling ``output.requires_grad_()`` on the input embeddings, which runs inside torch.func's
+    vmap in functorch mode. Now a ValueError naming the layer and the fix; the other modes
+    are exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    model[0].register_forward_hook(lambda m, i, o: o.requires_grad_(True))
+    x, y = torch.randn(5, 3, dtype=DT), torch.randn(5, 2, dtype=DT)
+    if mode == "functorch":
+        with pytest.raises(ValueError, match=r"0 \(Linear\): torch.func cannot compute"):
+            dp_update(model, mode, x, y, 0.5)
+    else:
+        assert assert_exact_or_refused(model, mode, x, y, 0.5, must_work=True) == "exact"
