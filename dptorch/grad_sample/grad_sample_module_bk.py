@@ -94,6 +94,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
 
     # ------------------------------------------------------------------ install / remove
     def _install_bk(self) -> None:
+        plain: set[int] = set()  # sampled by a layer whose own forward computes weight grads
         for module in self.iterate_submodules(self._module):
             params = self.sampled_params(module)
             fn = input_grad_only_forward(module)
@@ -104,8 +105,13 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 )
                 self._bk_overridden.append(module)
                 self._no_autograd |= {id(p) for p in params}
+            else:
+                plain |= {id(p) for p in params}
             for p in params:
                 self._bk_handles.append(p.register_hook(partial(self._on_autograd_grad, p)))
+        # a parameter tied between the two kinds (an Embedding subclass with a forward of its
+        # own and a Linear head) gets autograd's gradient from the first: that one is expected
+        self._no_autograd -= plain
 
     def _remove_bk(self) -> None:
         for h in self._bk_handles:

@@ -196,3 +196,39 @@ def test_a_forward_hook_torch_func_cannot_run_is_refused_in_functorch_mode(mode)
             dp_update(model, mode, x, y, 0.5)
     else:
         assert assert_exact_or_refused(model, mode, x, y, 0.5, must_work=True) == "exact"
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """Hugging Face's ``*ScaledWordEmbedding`` (M2M100, NLLB): a forward of its own."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+class _TiedScaled(nn.Module):
+    def __init__(self, functional_use: bool = False):
+        super().__init__()
+        self.emb, self.head = _ScaledEmbedding(12, 4, padding_idx=1), nn.Linear(4, 12, bias=False)
+        self.head.weight = self.emb.weight
+        self.functional_use = functional_use
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids))
+        out = self.head(h)
+        if self.functional_use:
+            out = out + nn.functional.linear(h, self.emb.weight)
+        return out.sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_head_tied_to_an_embedding_with_its_own_forward_is_exact(mode):
+    """*Finding* (bk refused, giving a wrong reason): the tied weight was in bk's set of
+    parameters that autograd must not differentiate (the Linear head's), but the embedding's own
+    forward differentiates it. Exact in every mode now; a use outside both layers is still
+    refused."""
+    torch.manual_seed(0)
+    ids, y = torch.randint(0, 12, (4, 5)), torch.randn(4, 12, dtype=DT)
+    model = _TiedScaled().to(DT)
+    assert assert_exact_or_refused(model, mode, ids, y, 0.5, must_work=True) == "exact"
+    with pytest.raises(ValueError, match="emb.weight"):
+        dp_update(_TiedScaled(functional_use=True).to(DT), mode, ids, y, 0.5)
