@@ -83,6 +83,14 @@ _REDUCTIONS = frozenset((
 ))
 
 
+#: ops that may move the batch axis while keeping the shape (a square transpose when T = B)
+_MOVES = frozenset((
+    "transpose", "transpose_", "swapaxes", "swapdims", "swapaxes_", "swapdims_", "t", "t_",
+    "T", "H", "mT", "mH", "permute", "movedim", "moveaxis", "view", "reshape", "flatten",
+    "unflatten", "view_as", "reshape_as", "ravel", "__getitem__",
+))
+
+
 def out_axis(func, args: tuple, kwargs: dict, src: torch.Tensor, ax: int,
               out: torch.Tensor, b: int | None) -> int | None:
     """The batch axis of ``out = func(*args, **kwargs)``, where ``src`` (an input) has it in
@@ -90,6 +98,8 @@ def out_axis(func, args: tuple, kwargs: dict, src: torch.Tensor, ax: int,
     name = getattr(func, "__name__", "")
     if name == "__get__":  # properties: Tensor.T, .mT, .H, .mH
         name = getattr(getattr(func, "__self__", None), "__name__", "")
+    if name not in _MOVES and out.shape == src.shape:  # elementwise and the like: most ops
+        return ax
     n = src.dim()
     res: int | None | bool = False  # False: not an axis-moving op, use the generic rule
     if src is not (args[0] if args else None):
