@@ -87,8 +87,27 @@ _REDUCTIONS = frozenset((
 _MOVES = frozenset((
     "transpose", "transpose_", "swapaxes", "swapdims", "swapaxes_", "swapdims_", "t", "t_",
     "T", "H", "mT", "mH", "permute", "movedim", "moveaxis", "view", "reshape", "flatten",
-    "unflatten", "view_as", "reshape_as", "ravel", "__getitem__",
+    "unflatten", "view_as", "reshape_as", "ravel", "__getitem__", "einsum", "as_strided",
+    "rot90", "permute_copy", "transpose_copy",
 ))
+
+
+def _einsum_axis(args: tuple, src: torch.Tensor, ax: int) -> int | None:
+    """``torch.einsum(eq, *operands)``: the output position of ``src``'s subscript at ``ax``
+    (``None`` when it is summed over, or with ``...``)."""
+    eq = args[0] if args and isinstance(args[0], str) else None
+    ops = args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    if eq is None or "..." in eq or "->" not in eq:
+        return None
+    lhs, rhs = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    i = next((k for k, o in enumerate(ops) if o is src), None)
+    if i is None or i >= len(terms) or ax >= len(terms[i]):
+        return None
+    pos = rhs.find(terms[i][ax])
+    return None if pos < 0 else pos
 
 
 def out_axis(func, args: tuple, kwargs: dict, src: torch.Tensor, ax: int,
@@ -102,7 +121,11 @@ def out_axis(func, args: tuple, kwargs: dict, src: torch.Tensor, ax: int,
         return ax
     n = src.dim()
     res: int | None | bool = False  # False: not an axis-moving op, use the generic rule
-    if src is not (args[0] if args else None):
+    if name == "einsum":
+        res = _einsum_axis(args, src, ax)
+    elif name in ("as_strided", "rot90", "permute_copy", "transpose_copy"):
+        res = None  # rare; not followed
+    elif src is not (args[0] if args else None):
         res = False
     elif name in ("transpose", "transpose_", "swapaxes", "swapdims", "swapaxes_", "swapdims_"):
         d = [kwargs.get(k) for k in ("dim0", "dim1")] if "dim0" in kwargs else list(args[1:3])

@@ -94,3 +94,14 @@ def test_sequence_first_is_known_when_its_length_equals_the_batch():
     assert out_axis(torch.Tensor.view, (y, 4, 4, 2, 4), {}, y, 1, v, 4) == 1
     assert out_axis(torch.Tensor.permute, (v, 0, 2, 1, 3), {}, v, 1, v.permute(0, 2, 1, 3), 4) == 2
     assert out_axis(torch.Tensor.__getitem__, (y, (slice(None), slice(None), 0)), {}, y, 1, y[:, :, 0], 4) == 1
+
+
+def test_einsum_is_followed_by_its_subscripts():
+    x = torch.zeros(4, 4, 8)
+    y = torch.einsum("btd->tbd", x)
+    assert out_axis(torch.einsum, ("btd->tbd", x), {}, x, 0, y, 4) == 1
+    w = torch.zeros(8, 3)
+    z = torch.einsum("btd,de->bte", x, w)
+    assert out_axis(torch.einsum, ("btd,de->bte", x, w), {}, x, 0, z, 4) == 0
+    s = torch.einsum("btd->td", x)
+    assert out_axis(torch.einsum, ("btd->td", x), {}, x, 0, s, 4) is None

@@ -232,3 +232,17 @@ def test_a_head_tied_to_an_embedding_with_its_own_forward_is_exact(mode):
     assert assert_exact_or_refused(model, mode, ids, y, 0.5, must_work=True) == "exact"
     with pytest.raises(ValueError, match="emb.weight"):
         dp_update(_TiedScaled(functional_use=True).to(DT), mode, ids, y, 0.5)
+
+
+class _EinsumSeqFirst(_SeqFirstInside):
+    def forward(self, x):
+        h = torch.einsum("btd->tbd", self.inp(x))
+        return self.out(torch.tanh(self.mid(h)).transpose(0, 1)).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_einsum_that_moves_the_batch_is_followed(mode):
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+    with pytest.raises(ValueError, match=r"mid \(Linear\) receives .* batch is in dimension 1"):
+        dp_update(_EinsumSeqFirst().to(DT), mode, x, y, 0.5)
