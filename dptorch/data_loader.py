@@ -361,6 +361,16 @@ def check_data_loader(
         raise ValueError("The data loader's dataset is empty: there is nothing to train on.")
     if len(data_loader) == 0:
         raise ValueError("The data loader yields no batch (len(data_loader) == 0).")
+    if isinstance(data_loader, DataLoader) and data_loader.batch_sampler is None:
+        # batch_size=None (automatic batching off). Opacus 1.6 accepts it (q = 1 / N) and fails
+        # later, at the first forward pass on the unbatched items.
+        raise ValueError(
+            "The data loader was built with batch_size=None (automatic batching off): it yields "
+            "single records without a batch dimension, so there are no batches to sample and "
+            "len(data_loader) is not a number of batches. Build it with a batch size, e.g. "
+            "DataLoader(dataset, batch_size=256): with Poisson sampling each step's batch has "
+            "batch_size records in expectation (q = 1 / len(data_loader))."
+        )
     if secure_mode and poisson_sampling and getattr(data_loader, "generator", None) is not None:
         raise ValueError(
             "secure_mode=True: the data loader has a seeded generator, but the sampling must "

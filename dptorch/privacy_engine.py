@@ -404,7 +404,10 @@ class PrivacyEngine:
 
         With ``restore_rng_state`` (default) the global torch RNG, the noise generator and the
         Poisson sampler continue where they were, so the resumed run is identical to an
-        uninterrupted one. The file is unpickled (``weights_only=False``): load trusted files only.
+        uninterrupted one. Only to continue *the same* run: a second run on other data (a record
+        deleted, another C) from the same checkpoint replays the noise already spent, which then
+        cancels between the two models; start it with ``restore_rng_state=False`` and fresh seeds
+        (or ``secure_mode``). The file is unpickled (``weights_only=False``): load trusted files only.
         """
         if data_loader is None:
             data_loader = self._data_loader

@@ -39,6 +39,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import secrets
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -310,8 +311,11 @@ class DPCallback(_NamespaceDispatch):
         accountant: ``"prv"`` (default), ``"pld"``, ``"rdp"``, ``"gdp"``.
         loss_reduction: the reduction of the loss ``training_step`` returns (``"mean"``).
         secure_mode: noise and sampling from the OS CSPRNG.
-        seed: seed of the noise and sampling generators (default: drawn from the global RNG,
-            i.e. ``seed_everything``); their states go into checkpoints.
+        seed: seed of the noise and sampling generators, for reproducible noise (default: fresh
+            OS entropy, never the global RNG that ``seed_everything`` fixes); their states go
+            into checkpoints, so a resumed run continues them. Unsafe for models you release:
+            two runs with one seed on neighbouring data (a retraining after a deletion, a sweep
+            over C) add the same noise, which cancels in the difference of the two models.
         namespace: ``"lightning"`` or ``"pytorch_lightning"`` (default: the first installed).
 
     After ``fit`` starts: ``privacy_engine``, ``dp_module``, ``dp_optimizer``,
@@ -367,11 +371,20 @@ class DPCallback(_NamespaceDispatch):
         self._epsilon_cache: tuple[int, float] | None = None
         self._noise_generator: torch.Generator | None = None
         self._sampling_generator: torch.Generator | None = None
+        if secure_mode and seed is not None:
+            raise ValueError(
+                "DPCallback: seed cannot be used with secure_mode, which draws the noise and the "
+                "sampling from the OS CSPRNG (no seed)."
+            )
         if not secure_mode:
+            # not from the global RNG: seed_everything(42) in two runs on neighbouring data would
+            # add the same noise, and the difference of the two models would reveal a record
             if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,)).item())
-            self._noise_generator = torch.Generator().manual_seed(seed)
-            self._sampling_generator = torch.Generator().manual_seed(seed ^ 0x5DEECE66D)
+                noise_seed, sampling_seed = secrets.randbits(63), secrets.randbits(63)
+            else:
+                noise_seed, sampling_seed = seed, seed ^ 0x5DEECE66D
+            self._noise_generator = torch.Generator().manual_seed(noise_seed)
+            self._sampling_generator = torch.Generator().manual_seed(sampling_seed)
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

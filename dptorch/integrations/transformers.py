@@ -56,6 +56,7 @@ import hashlib
 import logging
 import math
 import os
+import secrets
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -125,6 +126,13 @@ class PrivacyArguments:
     secure_mode: bool = field(
         default=False, metadata={"help": "Noise and sampling from the OS CSPRNG."}
     )
+    noise_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of the noise and sampling generators, for reproducible noise "
+                  "(default: fresh OS entropy per run). Unsafe for models you release: two runs "
+                  "with one seed on neighbouring data add the same noise, which cancels in the "
+                  "difference of the two models."},
+    )
     token_loss: str = field(
         default="mean",
         metadata={"help": "A sequence's loss: mean (default) or sum of its token losses."},
@@ -156,6 +164,14 @@ class PrivacyArguments:
             raise ValueError(f"token_loss must be 'mean' or 'sum', got {self.token_loss!r}.")
         if self.target_delta is not None and not 0 < self.target_delta < 1:
             raise ValueError(f"target_delta must lie in (0, 1), got {self.target_delta!r}.")
+        if self.noise_seed is not None:
+            if isinstance(self.noise_seed, bool) or not isinstance(self.noise_seed, int):
+                raise ValueError(f"noise_seed must be an int or None, got {self.noise_seed!r}.")
+            if self.secure_mode:
+                raise ValueError(
+                    "noise_seed cannot be used with secure_mode: secure_mode draws the noise and "
+                    "the sampling from the OS CSPRNG, which has no seed."
+                )
 
 
 # ----------------------------------------------------------------------------- per-sample losses
@@ -443,8 +459,14 @@ class DPTrainer(Trainer):
             ``TrainingArguments.max_grad_norm``, which DPTrainer turns off.
         grad_sample_mode: ``"bk"`` (default), ``"hooks"``, ``"functorch"``, ``"ghost"``, ``"ew"``.
         accountant: ``"prv"`` (default), ``"pld"``, ``"rdp"``, ``"gdp"``.
-        secure_mode: noise and Poisson sampling from the OS CSPRNG (else from generators seeded
-            by ``args.seed`` / ``args.data_seed``, saved in checkpoints).
+        secure_mode: noise and Poisson sampling from the OS CSPRNG (else from ``torch``
+            generators seeded from fresh OS entropy, or from ``noise_seed``; their states are
+            saved in checkpoints, so a resumed run continues them).
+        noise_seed: seed of the noise and sampling generators, for reproducible noise. Not
+            ``args.seed``: two runs with the same seed on neighbouring data (a retraining after
+            a deletion, a sweep over C or the learning rate) add the *same* noise, which cancels
+            in the difference of the two models and reveals a record's clipped gradient. Use it
+            for debugging and tests, never for models you release.
         token_loss: a sequence's loss is the ``"mean"`` (default) or ``"sum"`` of its token
             losses.
         per_sample_loss: ``fn(outputs, labels) -> (B,)`` losses, for heads that
@@ -467,6 +489,7 @@ class DPTrainer(Trainer):
         accountant: str | None = None,
         secure_mode: bool | None = None,
         token_loss: str | None = None,
+        noise_seed: int | None = None,
         per_sample_loss: Callable[[Any, Any], torch.Tensor] | None = None,
         **kwargs: Any,
     ):
@@ -475,7 +498,7 @@ class DPTrainer(Trainer):
             ("target_epsilon", target_epsilon), ("target_delta", target_delta),
             ("noise_multiplier", noise_multiplier), ("per_sample_max_grad_norm", max_grad_norm),
             ("grad_sample_mode", grad_sample_mode), ("accountant", accountant),
-            ("secure_mode", secure_mode), ("token_loss", token_loss),
+            ("secure_mode", secure_mode), ("token_loss", token_loss), ("noise_seed", noise_seed),
         ):
             if value is not None:
                 setattr(pa, name, value)
@@ -515,15 +538,18 @@ class DPTrainer(Trainer):
         self._num_records: int | None = None
         self._task: str | None = None
         self._epsilon_cache: tuple[tuple[int, float], float] | None = None
-        seed = training_args.seed
-        data_seed = training_args.data_seed if training_args.data_seed is not None else seed
+        # Not from args.seed (42 by default): two runs on neighbouring data would add the same
+        # noise, and the difference of the two models would reveal a record's clipped gradient.
         self._noise_generator = None
         self._sampling_generator = None
         if not pa.secure_mode:
-            self._noise_generator = torch.Generator().manual_seed(_derived_seed(seed, "noise"))
-            self._sampling_generator = torch.Generator().manual_seed(
-                _derived_seed(data_seed, "sampling")
-            )
+            if pa.noise_seed is None:
+                noise_seed, sampling_seed = secrets.randbits(63), secrets.randbits(63)
+            else:
+                noise_seed = _derived_seed(pa.noise_seed, "noise")
+                sampling_seed = _derived_seed(pa.noise_seed, "sampling")
+            self._noise_generator = torch.Generator().manual_seed(noise_seed)
+            self._sampling_generator = torch.Generator().manual_seed(sampling_seed)
         super().__init__(*args, **kwargs)
         self._check_supported()
         # the per-sample losses are computed here; the Trainer need not count tokens for them

@@ -226,6 +226,38 @@ def test_checkpoint_saves_and_restores_the_accountant(ns, tmp_path):
         assert torch.equal(pa[n], pb[n]), n
 
 
+def test_resume_with_entropy_seeded_noise_matches_the_straight_run(ns, tmp_path):
+    """Default ``seed=None``: the generators come from OS entropy, so two callbacks draw
+    different noise. A: 2 epochs straight, checkpointed after the first. B: a new Trainer,
+    module and callback resumed from A's checkpoint. Same ε history, same final parameters: the
+    checkpoint carries A's noise and sampling streams."""
+    name, pl = ns
+    from dptorch.integrations.lightning import DPCallback
+
+    DigitsModule, DigitsData = make_classes(pl)
+    ckpt_dir = tmp_path / "ckpt"
+
+    def run(ckpt_path=None, save=False):
+        torch.manual_seed(0)
+        model = DigitsModule()
+        cb = DPCallback(noise_multiplier=1.0, max_grad_norm=1.0, namespace=name)
+        saver = [pl.callbacks.ModelCheckpoint(dirpath=str(ckpt_dir), save_top_k=-1,
+                                              every_n_epochs=1, save_on_train_epoch_end=True)]
+        t = trainer(pl, tmp_path, [cb, *(saver if save else [])], max_epochs=2,
+                    limit_val_batches=0, enable_checkpointing=save)
+        t.fit(model, datamodule=DigitsData(n=512), ckpt_path=ckpt_path)
+        return model, cb
+
+    model_a, cb_a = run(save=True)
+    first = sorted(glob.glob(str(ckpt_dir / "epoch=0*.ckpt")))
+    assert len(first) == 1
+    model_b, cb_b = run(ckpt_path=first[0])
+    assert cb_b.privacy_engine.accountant.history == cb_a.privacy_engine.accountant.history
+    pa, pb = _params(model_a), _params(model_b)
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), n
+
+
 def test_resume_without_privacy_state_is_refused(ns, tmp_path):
     name, pl = ns
     from dptorch.integrations.lightning import DPCallback
