@@ -1,17 +1,22 @@
 """BatchMemoryManager: train on large logical (Poisson) batches with bounded memory.
 
 Each logical batch drawn by the data loader's batch sampler is split into physical batches of
-at most ``max_physical_batch_size`` samples. The optimizer is told to skip (only clip and
-accumulate) on every physical batch but the last, so noise, parameter update and accounting
-happen once per logical batch, exactly as if the logical batch had been processed at once.
+at most ``max_physical_batch_size`` samples. As the loader yields a physical batch it tells the
+optimizer which logical batch the batch belongs to and whether it ends it: the step of every
+physical batch but the last is skipped (only clip and accumulate), so noise, parameter update
+and accounting happen once per logical batch, exactly as if the logical batch had been processed
+at once. A physical batch the training loop drops (``zero_grad(); continue``) only loses its own
+contribution; if it was the last of its logical batch, that logical batch is never released.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import warnings
+from collections import deque
 from collections.abc import Iterator
-from functools import partial
 
 from torch.utils.data import DataLoader, Sampler
 
@@ -25,12 +30,13 @@ __all__ = ["BatchMemoryManager", "BatchSplittingSampler", "wrap_data_loader"]
 
 
 class BatchSplittingSampler(Sampler[list[int]]):
-    """Splits every batch of ``sampler`` into chunks of at most ``max_batch_size`` indices and
-    queues ``optimizer.signal_skip_step`` for each chunk (skip on all but the last).
+    """Splits every batch of ``sampler`` into chunks of at most ``max_batch_size`` indices.
 
+    Each chunk's tag, ``(logical batch id, is last chunk)``, is queued for the pass that drew it
+    (DataLoader prefetching draws ahead of training); the loader of :func:`wrap_data_loader`
+    hands it to the optimizer when it yields that chunk, so the skip decision follows the batch
+    trained on, whatever the training loop drops. The sampler must be iterated by that loader.
     An empty logical batch gives one empty physical batch, on which the step happens (noise only).
-    The skip signals are queued when a chunk is *produced*, so DataLoader prefetching (workers)
-    keeps them in order.
     """
 
     def __init__(
@@ -41,32 +47,52 @@ class BatchSplittingSampler(Sampler[list[int]]):
         self.max_batch_size = max_batch_size
         self.optimizer = optimizer
         self.layouts = layouts
+        #: the tags of the chunks drawn by the latest pass and not yet yielded, oldest first
+        self.tags: deque[tuple[int, bool]] = deque()
+        self._tagged_loader = False  # set by the loader that hands the tags to the optimizer
 
     def __iter__(self) -> Iterator[list[int]]:
+        """A new pass, with a queue of tags of its own (:attr:`tags`, read by the loader right
+        after it starts the pass)."""
+        self.tags = deque()
+        return self._chunks(self.tags)
+
+    def _chunks(self, tags: deque[tuple[int, bool]]) -> Iterator[list[int]]:
+        if not self._tagged_loader:
+            raise ValueError(
+                "BatchSplittingSampler must be iterated by the loader of wrap_data_loader (or "
+                "BatchMemoryManager), which tells the optimizer which logical batch each "
+                "physical batch it yields belongs to; another DataLoader cannot, and the "
+                "optimizer would release physical batches on their own or mix logical batches."
+            )
         drop_unfinished(self.optimizer)  # a pass broken off and iterated again
         if self.layouts is not None:
-            yield from self._split_with_layouts(self.layouts)
+            yield from self._split_with_layouts(self.layouts, tags)
             return
         for batch_idxs in self.sampler:
+            logical_id = next(_logical_ids)
             batch_idxs = list(batch_idxs)
             if not batch_idxs:
-                self.optimizer.signal_skip_step(do_skip=False, physical_batch=True)
+                tags.append((logical_id, True))
                 yield []
                 continue
             n_chunks = math.ceil(len(batch_idxs) / self.max_batch_size)
             for i in range(n_chunks):
-                self.optimizer.signal_skip_step(do_skip=i < n_chunks - 1, physical_batch=True)
+                tags.append((logical_id, i == n_chunks - 1))
                 yield batch_idxs[i * self.max_batch_size : (i + 1) * self.max_batch_size]
 
-    def _split_with_layouts(self, layouts: LayoutQueue) -> Iterator[list[int]]:
+    def _split_with_layouts(
+        self, layouts: LayoutQueue, tags: deque[tuple[int, bool]]
+    ) -> Iterator[list[int]]:
         """Splits fixed-shape batches into fixed chunks, and user-level batches between users,
         pushing each chunk's layout in place of the batch's."""
         for batch_idxs in self.sampler:
+            logical_id = next(_logical_ids)
             batch_idxs = list(batch_idxs)
             layout = layouts.pop_latest()
             bounds = layout.chunks(self.max_batch_size)
             for i, (lo, hi) in enumerate(bounds):
-                self.optimizer.signal_skip_step(do_skip=i < len(bounds) - 1, physical_batch=True)
+                tags.append((logical_id, i == len(bounds) - 1))
                 layouts.push(layout.slice(lo, hi))
                 yield batch_idxs[lo:hi]
 
@@ -81,12 +107,18 @@ class BatchSplittingSampler(Sampler[list[int]]):
         return len(self.sampler) * max(1, math.ceil(expected / self.max_batch_size))  # type: ignore[arg-type]
 
 
+#: ids of the logical batches drawn by every BatchSplittingSampler of this process
+_logical_ids = itertools.count()
+
+
 def wrap_data_loader(
     *, data_loader: DataLoader, max_batch_size: int, optimizer: DPOptimizer
 ) -> DataLoader:
     """A DataLoader over the same dataset whose batches are the physical batches."""
     layouts = getattr(data_loader, "layouts", None)  # fixed-shape / user-level loaders
-    return (DataLoader if layouts is None else partial(_LayoutLoader, layouts=layouts))(
+    return _PhysicalLoader(
+        optimizer=optimizer,
+        layouts=layouts,
         dataset=data_loader.dataset,
         batch_sampler=BatchSplittingSampler(
             sampler=data_loader.batch_sampler,
@@ -106,16 +138,38 @@ def wrap_data_loader(
     )
 
 
-class _LayoutLoader(DataLoader):
-    """The physical batches of a fixed-shape or user-level loader, each activating its
-    layout when yielded."""
+class _PhysicalLoader(DataLoader):
+    """The physical batches of a :class:`BatchSplittingSampler`: as it yields one, it tells
+    the optimizer the batch's tag (:meth:`DPOptimizer.begin_physical_batch`) and activates its
+    layout (fixed-shape or user-level loaders)."""
 
-    def __init__(self, *args, layouts: LayoutQueue, **kwargs):
+    def __init__(self, *args, optimizer: DPOptimizer, layouts: LayoutQueue | None, **kwargs):
+        self.optimizer = optimizer
         self.layouts = layouts
         super().__init__(*args, **kwargs)
+        self.batch_sampler._tagged_loader = True
 
     def __iter__(self):
-        return iterate_with_layouts(super().__iter__, self.layouts)
+        if self.layouts is None:
+            return self._tagged()
+        return iterate_with_layouts(self._tagged, self.layouts)
+
+    def _tagged(self) -> Iterator:
+        batches = super().__iter__()  # starts the sampler's pass, which gets a tag queue
+        tags = self.batch_sampler.tags
+        for batch in batches:
+            self.optimizer.begin_physical_batch(*tags.popleft())
+            yield batch
+        # the pass is over: a logical batch whose last physical batch was dropped is dropped
+        if self.optimizer.last_step_skipped:
+            warnings.warn(
+                "BatchMemoryManager: the last logical batch of the pass ended without its last "
+                "physical batch being stepped (the training loop dropped it), so it was never "
+                "released: its clipped gradients are dropped.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        drop_unfinished(self.optimizer)
 
 
 class BatchMemoryManager:
@@ -125,6 +179,11 @@ class BatchMemoryManager:
     Use it like the plain loader, calling ``optimizer.step()`` and ``optimizer.zero_grad()``
     after every physical batch: the optimizer only updates on the last physical batch of each
     logical batch (per-sample gradients are cleared, their clipped sum is kept in between).
+    Which step releases follows the physical batch yielded last, so a loop may drop a batch
+    (``optimizer.zero_grad(); continue``): a logical batch then loses that batch's records, and
+    is not released at all when its last physical batch is dropped (``RuntimeWarning``).
+    ``optimizer.skip_requested`` is ``False`` exactly for the last physical batch of a logical
+    batch. Call ``step()`` once per physical batch, and no ``signal_skip_step`` inside the loop.
 
     Example::
 
@@ -176,6 +235,7 @@ def drop_unfinished(optimizer: DPOptimizer) -> None:
     to the next logical batch, a different Poisson batch (two records' worth of sensitivity in
     one step accounted as one). Runs when a BatchMemoryManager is entered or left and when its
     loader starts a pass."""
-    optimizer._step_skip_queue.clear()
+    optimizer._skip_requests.clear()
+    optimizer.end_physical_batches()
     if optimizer.last_step_skipped:
         optimizer.discard_step()

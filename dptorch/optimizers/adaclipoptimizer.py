@@ -160,6 +160,12 @@ class AdaClipDPOptimizer(DPOptimizer):
             self.update_max_grad_norm()
         return done
 
+    def _drop_pending(self) -> None:
+        """Also resets the counts of the dropped skipped steps."""
+        super()._drop_pending()
+        self.sample_size = 0
+        self.unclipped_num = 0.0
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Also resets the counts, except after a skipped step (physical batch of a logical one)."""
         if not self._is_last_step_skipped:

@@ -118,7 +118,9 @@ class MultiPassDPOptimizerMixin:
         * ``accum_passes=True`` pairs the passes by sample index, which is only sound when every
           pass has the same batch size (docs/multi_pass.md);
         * split clipping: the passes not declared public (``GradSampleModule.public_pass()``)
-          must not outnumber ``num_private_passes``, which the noise is calibrated to.
+          must not outnumber ``num_private_passes``, which the noise is calibrated to, and
+          public passes run only in a step that releases or ends a logical batch (not in the
+          other physical batches of BatchMemoryManager, whose number depends on the data).
         """
         if self.accum_passes is None:
             super()._check_grad_sample_layout(params)
@@ -148,6 +150,17 @@ class MultiPassDPOptimizerMixin:
                 "them. Run each pass that depends neither on the private data nor on its batch "
                 "size (e.g. a fixed number of generated samples) inside `with "
                 "model.public_pass():`, or raise num_private_passes. See docs/multi_pass.md."
+            )
+        if self.accum_passes is False and n_private < len(passes) and self._splits_logical_batch():
+            raise ValueError(
+                "Split clipping: a public pass (model.public_pass()) ran in a physical batch that "
+                "does not end its logical batch (BatchMemoryManager). The number of physical "
+                "batches follows the size of the private Poisson batch, so public passes run in "
+                "every physical batch would make the released sum depend on it, beyond the "
+                f"num_private_passes x max_grad_norm = {self.num_private_passes} x C the noise "
+                "covers. Run the public passes once per logical batch, in its last physical "
+                "batch: `if not optimizer.skip_requested:` before `with model.public_pass():`. "
+                "See docs/multi_pass.md."
             )
 
     def clip_and_accumulate(self) -> None:
@@ -241,6 +254,7 @@ class MultiPassDPOptimizerMixin:
                 if self._manual_stage == _NOTHING_DONE
                 else "accumulate_batch() was already called for this step; call step() next."
             )
+        self._begin_physical_step()  # before adding to the pending sums of skipped steps
         params = self._params_with_grad_sample()
         self._check_clipped(params)
         for p, gs, _ in self._unit_views(params):

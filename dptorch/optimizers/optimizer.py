@@ -14,6 +14,7 @@ in multi-pass mode). Internally everything is viewed as ``(P, B, *p.shape)``; a 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -214,7 +215,13 @@ class DPOptimizer(_MultiPassDispatch):
         self.secure_mode = secure_mode
         #: run in order at every real step (the accountant's first); see :attr:`step_hook`
         self.step_hooks: list[Callable[[DPOptimizer], None]] = []
-        self._step_skip_queue: list[bool] = []
+        #: ``(do_skip, physical_batch)`` of each :meth:`signal_skip_step` request not yet used
+        self._skip_requests: list[tuple[bool, bool]] = []
+        #: ``[logical batch id, is last, stepped]`` of the physical batch being trained on
+        #: (:meth:`begin_physical_batch`, BatchMemoryManager's loader); ``None`` outside one
+        self._physical_batch: list | None = None
+        self._pending_logical: int | None = None  # the logical batch of the pending sums
+        self._skipped_batches = 0  # loader batches in the pending sums (non-physical skips)
         self.grad_accumulation_allowed = True
         self._is_last_step_skipped = False
         self._step_hooks_deferred = False
@@ -455,7 +462,7 @@ class DPOptimizer(_MultiPassDispatch):
 
         After :meth:`forbid_grad_accumulation` (``make_private`` with Poisson sampling) a skip
         must come from a splitter of *one* drawn batch (``physical_batch=True``: what
-        BatchMemoryManager and DPTrainer pass); a skip across the loader's batches raises
+        DPTrainer passes); a skip across the loader's batches raises
         ``ValueError``: two Poisson batches summed and noised once are not one Poisson batch
         (a record drawn into both counts twice, and the step would be charged as one)."""
         if do_skip and not physical_batch and not self.grad_accumulation_allowed:
@@ -469,7 +476,22 @@ class DPOptimizer(_MultiPassDispatch):
                 "dptorch.utils.batch_memory_manager.BatchMemoryManager, which splits one Poisson "
                 "batch into physical batches; or raise the batch size (sample rate)."
             )
-        self._step_skip_queue.append(do_skip)
+        self._skip_requests.append((do_skip, physical_batch))
+
+    @property
+    def _step_skip_queue(self) -> list[bool]:
+        """The pending :meth:`signal_skip_step` requests (a copy, oldest first)."""
+        return [do_skip for do_skip, _ in self._skip_requests]
+
+    def begin_physical_batch(self, logical_id: int, is_last: bool) -> None:
+        """Called by BatchMemoryManager's loader as it yields a physical batch: the next
+        ``step()`` is that batch's, skipped unless ``is_last`` (the batch ends logical batch
+        ``logical_id``), and adds only to clipped sums of the same logical batch."""
+        self._physical_batch = [logical_id, is_last, False]
+
+    def end_physical_batches(self) -> None:
+        """No physical batch is being trained on any more (a BatchMemoryManager pass ended)."""
+        self._physical_batch = None
 
     def forbid_grad_accumulation(self) -> None:
         """Refuse skipped steps across the loader's batches (see :meth:`signal_skip_step`);
@@ -482,7 +504,8 @@ class DPOptimizer(_MultiPassDispatch):
 
     @property
     def skip_requested(self) -> bool:
-        """Whether the next ``step()`` is asked to skip (:meth:`signal_skip_step`)."""
+        """Whether the next ``step()`` is asked to skip (:meth:`signal_skip_step`, or a
+        physical batch of BatchMemoryManager that does not end its logical batch)."""
         return self._check_skip_next_step(pop_next=False)
 
     def take_skip_request(self) -> bool:
@@ -496,12 +519,79 @@ class DPOptimizer(_MultiPassDispatch):
         self._is_last_step_skipped = False
         self.zero_grad(set_to_none=True)
 
+    def _drop_pending(self) -> None:
+        """Forgets the clipped sums kept by skipped steps (never released), leaving the
+        gradients of the step under way."""
+        for p in self.params:
+            p.summed_grad = None
+        self._summed_bound = None
+        self._is_last_step_skipped = False
+        self._pending_logical = None
+        self._skipped_batches = 0
+
+    def _next_skip(self, pop_next: bool = True) -> tuple[bool, bool]:
+        """``(skip, physical)`` for the next step: the physical batch being trained on decides
+        (skip unless it ends its logical batch), else the oldest :meth:`signal_skip_step`
+        request; ``physical``: the skip splits one drawn batch. ``pop_next`` consumes it."""
+        tag = self._physical_batch
+        if tag is not None and not tag[2]:
+            if pop_next:
+                tag[2] = True
+            return not tag[1], True
+        if self._skip_requests:
+            return self._skip_requests.pop(0) if pop_next else self._skip_requests[0]
+        return False, False
+
     def _check_skip_next_step(self, pop_next: bool = True) -> bool:
-        """Whether the next step is to be skipped (``signal_skip_step``); ``pop_next`` consumes
-        the request."""
-        if self._step_skip_queue:
-            return self._step_skip_queue.pop(0) if pop_next else self._step_skip_queue[0]
-        return False
+        """Whether the next step is to be skipped (``signal_skip_step``, or a physical batch of
+        BatchMemoryManager that does not end its logical batch); ``pop_next`` consumes it."""
+        return self._next_skip(pop_next)[0]
+
+    def _splits_logical_batch(self) -> bool:
+        """Whether the next step is a physical batch that does not end its logical batch."""
+        skip, physical = self._next_skip(pop_next=False)
+        return skip and physical
+
+    def _begin_physical_step(self) -> None:
+        """Ties a step to the physical batch of BatchMemoryManager trained on. Refuses a second
+        step for it and skip requests inside the loop; drops pending clipped sums of another
+        logical batch (its last physical batch was dropped by the training loop, so it was never
+        released): added to this one, they would release records of two Poisson draws as one."""
+        tag = self._physical_batch
+        if tag is None:
+            return
+        logical_id, _, stepped = tag
+        if stepped:
+            raise ValueError(
+                "optimizer.step() was called twice for one physical batch of BatchMemoryManager: "
+                "each physical batch is one step (skipped unless it ends its logical batch). "
+                "Call step() and zero_grad() once per batch the loader yields."
+            )
+        if self._skip_requests:
+            raise ValueError(
+                "optimizer.signal_skip_step() inside a BatchMemoryManager loop: the loader decides "
+                "which physical batches are skipped (all but the last of each logical batch), "
+                "and a request of yours would be applied to another batch. Remove the call; "
+                "for larger logical batches raise the data loader's batch size."
+            )
+        if self._is_last_step_skipped and self._pending_logical != logical_id:
+            warnings.warn(
+                "BatchMemoryManager: a logical batch ended without its last physical batch being "
+                "stepped (the training loop dropped it, e.g. `zero_grad(); continue`), so it was "
+                "never released: its clipped gradients are dropped rather than added to the next "
+                "logical batch (a different Poisson draw).",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._drop_pending()
+
+    @property
+    def batches_in_step(self) -> int:
+        """Loader batches summed into the pending release: this step's
+        :attr:`accumulated_iterations` plus those of the steps skipped by
+        ``signal_skip_step`` since the last release (physical batches of BatchMemoryManager or
+        DPTrainer are parts of one batch and add nothing)."""
+        return self._skipped_batches + self.accumulated_iterations
 
     def privacy_event(self, sample_rate: float, steps_per_epoch: int | None = None) -> PrivacyEvent:
         """The privacy event of one released step (what the accountant hook composes): a
@@ -509,13 +599,15 @@ class DPOptimizer(_MultiPassDispatch):
         ``noise_scale_factor``: the private passes of split multi-pass clipping, else 1; public
         passes add nothing), on a Poisson batch of rate ``sample_rate · accumulated_iterations``,
         or, with ``steps_per_epoch`` (fixed-size batches), on a batch of a pass of
-        ``steps_per_epoch // accumulated_iterations`` steps."""
+        ``steps_per_epoch // accumulated_iterations`` steps; ``accumulated_iterations`` here
+        counts the batches of the steps skipped since the last release (:attr:`batches_in_step`)."""
         k = self.noise_scale_factor
         gaussian = GaussianEvent(self.noise_multiplier * k, sensitivity=k)
-        rate = sample_rate * self.accumulated_iterations
+        batches = self.batches_in_step
+        rate = sample_rate * batches
         if steps_per_epoch is None:
             return PoissonSampledEvent(rate, gaussian)
-        steps = max(1, steps_per_epoch // self.accumulated_iterations)
+        steps = max(1, steps_per_epoch // batches)
         return FixedSizeBatchEvent(gaussian, steps, min(rate, 1.0))
 
     def attach_step_hook(self, fn: Callable[[DPOptimizer], None]) -> None:
@@ -542,9 +634,15 @@ class DPOptimizer(_MultiPassDispatch):
     def pre_step(self, closure: Callable | None = None) -> bool:
         """Clip, accumulate, noise, scale and run hooks; ``False`` when the step is skipped."""
         self._check_frozen_grads()
+        self._begin_physical_step()
         self._check_pending_bound()
         self.clip_and_accumulate()
-        if self._check_skip_next_step():
+        tag = self._physical_batch
+        skip, physical = self._next_skip()
+        if skip:
+            if not physical:
+                self._skipped_batches += self.accumulated_iterations
+            self._pending_logical = tag[0] if tag is not None else None
             self._is_last_step_skipped = True
             return False
         self._ensure_summed_grads()
@@ -646,6 +744,8 @@ class DPOptimizer(_MultiPassDispatch):
                 p.summed_grad = None
         if not self._is_last_step_skipped:
             self._summed_bound = None
+            self._pending_logical = None
+            self._skipped_batches = 0
         self.original_optimizer.zero_grad(set_to_none)
         for rec in self.records:
             rec.mark_zeroed(self.params)
