@@ -102,7 +102,16 @@ class BatchSplittingSampler(Sampler[list[int]]):
         sample_rate = getattr(self.sampler, "sample_rate", None)
         num_samples = getattr(self.sampler, "num_samples", None)
         if sample_rate is None or num_samples is None:
-            return len(self.sampler)  # type: ignore[arg-type]
+            batch_size = getattr(self.sampler, "batch_size", None)  # a fixed-size BatchSampler
+            if batch_size is None:
+                return len(self.sampler)  # type: ignore[arg-type]
+            # every full batch splits into the same number of chunks; a last short one fewer
+            n = len(self.sampler.sampler)  # type: ignore[attr-defined]
+            full, rest = divmod(n, batch_size)
+            if getattr(self.sampler, "drop_last", False):
+                rest = 0
+            per_full = math.ceil(batch_size / self.max_batch_size)
+            return full * per_full + math.ceil(rest / self.max_batch_size)
         expected = sample_rate * num_samples
         return len(self.sampler) * max(1, math.ceil(expected / self.max_batch_size))  # type: ignore[arg-type]
 

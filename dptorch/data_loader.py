@@ -8,6 +8,7 @@ a training step on it still adds noise and is accounted for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -88,7 +89,19 @@ def _empty_like_batch(batch: Any, batch_dim: int) -> Any:
         if batch and all(isinstance(v, (torch.Tensor, Mapping, tuple, list)) for v in batch):
             return [_empty_like_batch(v, batch_dim) for v in batch]
         return []
-    return batch
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = {f.name: _empty_like_batch(getattr(batch, f.name), batch_dim)
+                  for f in dataclasses.fields(batch) if f.init}
+        return dataclasses.replace(batch, **fields)
+    if batch is None or isinstance(batch, (str, bytes, int, float, bool)):
+        return batch
+    # returning the template itself would replay its records in every empty Poisson batch
+    raise TypeError(
+        f"Cannot build an empty batch of type {type(batch).__name__} (the collate function's "
+        "output): an empty Poisson batch must have the batch's structure with no records. "
+        "Return tensors, dicts, tuples, lists, namedtuples or dataclasses from collate_fn, or "
+        "handle empty sample lists in collate_fn yourself."
+    )
 
 
 def shape_safe(x: Any) -> tuple:
