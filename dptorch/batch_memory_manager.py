@@ -166,9 +166,12 @@ class _PhysicalLoader(DataLoader):
     def _tagged(self) -> Iterator:
         batches = super().__iter__()  # starts the sampler's pass, which gets a tag queue
         tags = self.batch_sampler.tags
-        for batch in batches:
-            self.optimizer.begin_physical_batch(*tags.popleft())
-            yield batch
+        try:
+            for batch in batches:
+                self.optimizer.begin_physical_batch(*tags.popleft())
+                yield batch
+        finally:  # a loop broken off leaves no tag behind for steps on another loader
+            self.optimizer.end_physical_batches()
         # the pass is over: a logical batch whose last physical batch was dropped is dropped
         if self.optimizer.last_step_skipped:
             warnings.warn(

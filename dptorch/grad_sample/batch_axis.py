@@ -88,26 +88,38 @@ _MOVES = frozenset((
     "transpose", "transpose_", "swapaxes", "swapdims", "swapaxes_", "swapdims_", "t", "t_",
     "T", "H", "mT", "mH", "permute", "movedim", "moveaxis", "view", "reshape", "flatten",
     "unflatten", "view_as", "reshape_as", "ravel", "__getitem__", "einsum", "as_strided",
-    "rot90", "permute_copy", "transpose_copy",
+    "rot90", "permute_copy", "transpose_copy", "stack", "unbind",
 ))
 
 
 def _einsum_axis(args: tuple, src: torch.Tensor, ax: int) -> int | None:
     """``torch.einsum(eq, *operands)``: the output position of ``src``'s subscript at ``ax``
-    (``None`` when it is summed over, or with ``...``)."""
+    (``...`` dims broadcast from the right); ``None`` when it is summed over."""
     eq = args[0] if args and isinstance(args[0], str) else None
     ops = args[1:]
     if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
         ops = tuple(ops[0])
-    if eq is None or "..." in eq or "->" not in eq:
+    if eq is None or "->" not in eq:
         return None
     lhs, rhs = eq.replace(" ", "").split("->")
     terms = lhs.split(",")
     i = next((k for k, o in enumerate(ops) if o is src), None)
-    if i is None or i >= len(terms) or ax >= len(terms[i]):
+    if i is None or len(terms) != len(ops):
         return None
-    pos = rhs.find(terms[i][ax])
-    return None if pos < 0 else pos
+    n_ell = [o.dim() - len(t) + 3 if "..." in t else 0 for t, o in zip(terms, ops)]
+    width = max(n_ell, default=0)
+
+    def symbols(term: str, e: int) -> list[str]:
+        if "..." not in term:
+            return list(term)
+        pre, post = term.split("...")
+        return [*pre, *(f"#{width - e + j}" for j in range(e)), *post]
+
+    src_syms = symbols(terms[i], n_ell[i])
+    if ax >= len(src_syms):
+        return None
+    out_syms = symbols(rhs, width)
+    return out_syms.index(src_syms[ax]) if src_syms[ax] in out_syms else None
 
 
 def out_axis(func, args: tuple, kwargs: dict, src: torch.Tensor, ax: int,
@@ -125,6 +137,11 @@ def out_axis(func, args: tuple, kwargs: dict, src: torch.Tensor, ax: int,
         res = _einsum_axis(args, src, ax)
     elif name in ("as_strided", "rot90", "permute_copy", "transpose_copy"):
         res = None  # rare; not followed
+    elif name == "stack" and args and isinstance(args[0], (list, tuple)) and any(
+        t is src for t in args[0]
+    ):
+        d = _norm_dim(kwargs.get("dim", args[1] if len(args) > 1 else 0), n + 1)
+        res = None if d is None else ax + (1 if d <= ax else 0)
     elif src is not (args[0] if args else None):
         res = False
     elif name in ("transpose", "transpose_", "swapaxes", "swapdims", "swapaxes_", "swapdims_"):
@@ -165,6 +182,8 @@ def out_axis(func, args: tuple, kwargs: dict, src: torch.Tensor, ax: int,
         res = None if ax in gone else ax - sum(1 for d in gone if d < ax)
     elif name in _REDUCTIONS:
         dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if dims is None and name == "unbind":
+            dims = 0
         if isinstance(dims, bool) or not isinstance(dims, (int, list, tuple)):
             res = False
         elif kwargs.get("keepdim", False) or (len(args) > 2 and args[2] is True):

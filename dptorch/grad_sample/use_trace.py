@@ -143,6 +143,18 @@ _CONSTANT_FACTORIES = frozenset(
 )
 
 
+def _fills_alike(args: tuple, dst: torch.Tensor, src: torch.Tensor, ax: int) -> bool:
+    """Whether writing ``src`` into ``dst`` (``dst.copy_(src)``, ``dst[index] = src``) puts
+    ``src``'s dimension ``ax`` on ``dst``'s: same shape, or a write through slices only (T5's
+    ``shifted[..., 1:] = ids[..., :-1]``) of the same rank and batch size."""
+    if dst.shape == src.shape:
+        return True
+    if dst.dim() != src.dim() or dst.shape[ax] != src.shape[ax] or len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return all(i is Ellipsis or isinstance(i, slice) for i in index)
+
+
 class UseTrace(TorchFunctionMode):
     """Records the problems of one forward pass (see the module docstring).
 
@@ -226,6 +238,23 @@ class UseTrace(TorchFunctionMode):
         own = getattr(module, "grad_sample_batch_first", None) is not None
         if sampled and not own and first is not None and id(first) in self.batched:
             ax = self.axis.get(id(first), want)
+            b = self.batch_size
+            # which dimensions could hold the samples: not a trailing feature dimension
+            # (a Linear's (B, d) input with d = B is not ambiguous), except for indices
+            dims = first.shape if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or (
+                first.dim() < 2) else first.shape[:-1]
+            lost = ax is None and b is not None and sum(s == b for s in dims) > 1
+            if lost and not self._moved:
+                self._moved = True
+                self.problems.append(
+                    f"{call.name} ({type(module).__name__}) receives an input of shape "
+                    f"{tuple(first.shape)} with several dimensions of the batch's size {b}, and "
+                    "the ops that made it (e.g. torch.stack of slices, advanced indexing, "
+                    "as_strided, a partial write) do not tell which one holds the samples: its "
+                    "per-sample gradients could be taken along positions. Fix: build the input "
+                    "with ops that keep the batch dimension visible (transpose, permute, view, "
+                    "torch.stack(..., dim=...) of per-sample rows), or freeze this layer."
+                )
             if ax is not None and ax != want and not self._moved:  # the first layer is enough
                 self._moved = True
                 self.problems.append(
@@ -333,15 +362,30 @@ class UseTrace(TorchFunctionMode):
         if any(id(t) in self.expanded for t in inputs):
             self._check_expanded(func, inputs, outs)
         if any(id(t) in self.batched for t in inputs):
-            src = args[0] if args and id(args[0]) in self.batched else next(
-                t for t in inputs if id(t) in self.batched
-            )
+            batched = [t for t in inputs if id(t) in self.batched]
+            if args and id(args[0]) in self.batched:
+                batched.insert(0, args[0])
+            # the input whose batch axis is known leads (a mask made by x.new_ones has none)
+            src = next((t for t in batched if self.axis.get(id(t)) is not None), batched[0])
             ax = self.axis.get(id(src))
+            if getattr(func, "__name__", "") in _CONSTANT_FACTORIES:  # x.new_zeros(...)
+                ax = None  # batched by convention (DPLSTM's h0), but no data: no axis
+            elif ax is not None and any(  # ``a + b.transpose(0, 1)``: which axis is it?
+                t is not src and t.shape == src.shape and self.axis.get(id(t), ax) not in (ax, None)
+                for t in batched
+            ):
+                ax = None
             for t in outs:
                 self.batched[id(t)] = t
                 self.axis[id(t)] = (
                     None if ax is None else out_axis(func, args, kwargs, src, ax, t, self.batch_size)
                 )
+            dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if dst is not None and id(dst) not in self.batched:
+                # batch data written into a tensor made elsewhere (``out[:] = x``, ``out.copy_(x)``)
+                self.batched[id(dst)] = dst
+                self.copies.pop(id(dst), None)
+                self.axis[id(dst)] = ax if ax is not None and _fills_alike(args, dst, src, ax) else None
         elif self._copies(func, inputs, outs):
             for t in outs:
                 self.copies[id(t)] = t

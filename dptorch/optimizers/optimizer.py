@@ -217,7 +217,7 @@ class DPOptimizer(_MultiPassDispatch):
         self.step_hooks: list[Callable[[DPOptimizer], None]] = []
         #: ``(do_skip, physical_batch)`` of each :meth:`signal_skip_step` request not yet used
         self._skip_requests: list[tuple[bool, bool]] = []
-        #: ``[logical batch id, is last, stepped]`` of the physical batch being trained on
+        #: ``[logical batch id, is last, stepped, zeroed]`` of the physical batch being trained on
         #: (:meth:`begin_physical_batch`, BatchMemoryManager's loader); ``None`` outside one
         self._physical_batch: list | None = None
         self._pending_logical: int | None = None  # the logical batch of the pending sums
@@ -486,8 +486,26 @@ class DPOptimizer(_MultiPassDispatch):
     def begin_physical_batch(self, logical_id: int, is_last: bool) -> None:
         """Called by BatchMemoryManager's loader as it yields a physical batch: the next
         ``step()`` is that batch's, skipped unless ``is_last`` (the batch ends logical batch
-        ``logical_id``), and adds only to clipped sums of the same logical batch."""
-        self._physical_batch = [logical_id, is_last, False]
+        ``logical_id``), and adds only to clipped sums of the same logical batch.
+
+        The previous physical batch must be done with, stepped or dropped with ``zero_grad()``:
+        a loop that fetches the next batch before stepping the current one (a prefetching
+        wrapper, two loaders zipped) would step each batch under the next one's tag, mixing
+        two Poisson batches in one release. That raises ``ValueError``."""
+        prev = self._physical_batch
+        if prev is not None and not (prev[2] or prev[3]):
+            self._physical_batch = None
+            raise ValueError(
+                "BatchMemoryManager's loader yielded a physical batch before the previous one "
+                "was stepped or dropped (a wrapper that fetches batches ahead, such as a GPU "
+                "prefetcher, Lightning's or Accelerate's fetchers, or two loaders iterated at "
+                "once): the optimizer ties each step to the batch yielded last, so the steps "
+                "would be taken under the wrong batch's tag and release records of two Poisson "
+                "batches together. Iterate the BatchMemoryManager loader directly, one batch at "
+                "a time, calling optimizer.step() (or optimizer.zero_grad() to drop a batch) "
+                "before taking the next."
+            )
+        self._physical_batch = [logical_id, is_last, False, False]
 
     def end_physical_batches(self) -> None:
         """No physical batch is being trained on any more (a BatchMemoryManager pass ended)."""
@@ -560,7 +578,7 @@ class DPOptimizer(_MultiPassDispatch):
         tag = self._physical_batch
         if tag is None:
             return
-        logical_id, _, stepped = tag
+        logical_id, _, stepped, _ = tag
         if stepped:
             raise ValueError(
                 "optimizer.step() was called twice for one physical batch of BatchMemoryManager: "
@@ -735,6 +753,8 @@ class DPOptimizer(_MultiPassDispatch):
         ``p.grad_sample = None`` whatever ``set_to_none`` (as Opacus); keeps ``summed_grad`` after
         a skipped step so that physical batches accumulate into one logical batch. Starts a new
         step record."""
+        if self._physical_batch is not None:
+            self._physical_batch[3] = True  # the batch may be dropped now (see begin_physical_batch)
         for rec in self.records:
             rec.reset()
         for p in self.params:

@@ -105,3 +105,13 @@ def test_einsum_is_followed_by_its_subscripts():
     assert out_axis(torch.einsum, ("btd,de->bte", x, w), {}, x, 0, z, 4) == 0
     s = torch.einsum("btd->td", x)
     assert out_axis(torch.einsum, ("btd->td", x), {}, x, 0, s, 4) is None
+
+
+def test_einsum_with_an_ellipsis():
+    """LongT5's ``einsum("...nd,...ng->...gd")``: the batch stays in front."""
+    h, blocks = torch.zeros(3, 5, 16), torch.zeros(3, 5, 3)
+    out = torch.einsum("...nd,...ng->...gd", h, blocks)
+    assert out_axis(torch.einsum, ("...nd,...ng->...gd", h, blocks), {}, h, 0, out, 3) == 0
+    x = torch.zeros(4, 4, 8)
+    y = torch.einsum("b...d->...bd", x)
+    assert out_axis(torch.einsum, ("b...d->...bd", x), {}, x, 0, y, 4) == 1

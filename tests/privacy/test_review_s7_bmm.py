@@ -193,7 +193,8 @@ def test_bmm_refuses_a_second_step_or_a_skip_request_for_one_physical_batch():
                                 data_loader=DataLoader(ds, batch_size=20), noise_multiplier=1.0,
                                 max_grad_norm=1.0, poisson_sampling=False)
     with BatchMemoryManager(data_loader=dl, max_physical_batch_size=4, optimizer=o) as phys:
-        x, y = next(iter(phys))
+        it = iter(phys)  # kept: a dropped iterator ends its pass, and the batch's tag with it
+        x, y = next(it)
         ((m(x) - y) ** 2).sum().backward()
         o.signal_skip_step(False, physical_batch=True)
         with pytest.raises(ValueError, match="signal_skip_step"):
@@ -347,3 +348,67 @@ def test_virtual_steps_count_like_accumulation_and_bmm_skips_do_not_count():
     eps_plain, _ = _fixed_size_run(1, "plain")
     eps_bmm, releases = _fixed_size_run(1, "plain", physical=3)
     assert releases == 60 and eps_bmm == pytest.approx(eps_plain, rel=1e-12)
+
+
+def _small_engine():
+    torch.manual_seed(0)
+    ds = TensorDataset(torch.randn(40, 3, dtype=DT), torch.randn(40, 1, dtype=DT))
+    model = nn.Linear(3, 1).to(DT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m, opt, dl = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(ds, batch_size=10), noise_multiplier=1.0, max_grad_norm=C,
+        )
+    return m, opt, dl
+
+
+def _train(m, opt, x, y):
+    ((m(x) - y) ** 2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_loop_that_fetches_the_next_physical_batch_first_is_refused():
+    """*Regression found by the second review*: each step is tied to the physical batch yielded
+    last, so a loop that fetches batch k+1 before stepping batch k (GPU prefetchers, Lightning's
+    and Accelerate's fetchers) released the tail of one Poisson batch with the head of the
+    next. Yielding a batch while the previous one is neither stepped nor dropped now raises."""
+    m, opt, dl = _small_engine()
+    with BatchMemoryManager(data_loader=dl, max_physical_batch_size=3, optimizer=opt) as pl:
+        it = iter(pl)
+        batch = next(it)
+        with pytest.raises(ValueError, match="before the previous one was stepped or dropped"):
+            for nxt in it:
+                _train(m, opt, *batch)
+                batch = nxt
+
+
+def test_a_batch_dropped_without_zero_grad_is_refused_and_with_it_is_fine():
+    m, opt, dl = _small_engine()
+    with BatchMemoryManager(data_loader=dl, max_physical_batch_size=3, optimizer=opt) as pl:
+        with pytest.raises(ValueError, match=r"optimizer.zero_grad\(\) to drop a batch"):
+            for i, (x, y) in enumerate(pl):
+                if i == 1:
+                    continue  # no zero_grad: the next batch would be stepped under this one's tag
+                _train(m, opt, x, y)
+    m, opt, dl = _small_engine()
+    with BatchMemoryManager(data_loader=dl, max_physical_batch_size=3, optimizer=opt) as pl:
+        for i, (x, y) in enumerate(pl):
+            opt.zero_grad()
+            if i == 1:
+                continue
+            _train(m, opt, x, y)
+
+
+def test_the_plain_loader_after_breaking_out_of_the_physical_loader():
+    """A loop broken off leaves no tag behind: the plain loader's steps are ordinary steps."""
+    m, opt, dl = _small_engine()
+    with BatchMemoryManager(data_loader=dl, max_physical_batch_size=3, optimizer=opt) as pl:
+        for i, (x, y) in enumerate(pl):
+            _train(m, opt, x, y)
+            if i == 2:
+                break
+        for x, y in dl:  # raised "step() was called twice" before: the stale tag was kept
+            if len(x):
+                _train(m, opt, x, y)
