@@ -336,7 +336,14 @@ class GradSampleModule(AbstractGradSampleModule):
         return views[1].get(id(module), ((), frozenset()))
 
     def remove_hooks(self) -> None:
-        """Removes all hooks added by :meth:`add_hooks`."""
+        """Removes every hook this module installed on the wrapped model: the per-layer hooks of
+        :meth:`add_hooks` and the root pre-hook and hook of the in-place form
+        (:meth:`attach_to_module`). The model can then be wrapped again."""
+        self._remove_layer_hooks()
+        self.detach_from_module()
+
+    def _remove_layer_hooks(self) -> None:
+        """Removes the per-layer hooks of :meth:`add_hooks` (and turns the module's hooks off)."""
         self.disable_hooks()
         for h in self.autograd_grad_sample_hooks:
             h.remove()
@@ -358,7 +365,7 @@ class GradSampleModule(AbstractGradSampleModule):
                 "Parameters were frozen or unfrozen during a backward pass; change "
                 "requires_grad between steps."
             )
-        self.remove_hooks()
+        self._remove_layer_hooks()
         self.add_hooks(
             loss_reduction=self.loss_reduction,
             batch_first=self.batch_first,

@@ -127,6 +127,11 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         super().cleanup()
         self._remove_bk()
 
+    def remove_hooks(self) -> None:
+        """Also gives the layers their own forward back (bk's input-gradient-only forwards)."""
+        super().remove_hooks()
+        self._remove_bk()
+
     def _refresh_units(self) -> None:
         self._remove_bk()
         super()._refresh_units()

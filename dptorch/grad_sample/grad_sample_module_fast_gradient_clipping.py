@@ -467,3 +467,17 @@ class GradSampleHooksFastGradientClipping(GradSampleModuleFastGradientClipping):
         super().__init__(m, **kwargs)
         self.attach_to_module()
 
+
+
+def create_norm_sample(
+    *, param: torch.Tensor, grad_sample: torch.Tensor, max_batch_len: int
+) -> None:
+    """Sets ``param._norm_sample`` to the per-sample L2 norms (``(B,)``) of ``grad_sample``
+    (``(B, *param.shape)``) when ``param`` requires a gradient; an empty tensor for an empty
+    batch (``max_batch_len == 0``). Opacus's helper of this name."""
+    if not param.requires_grad:
+        return
+    if max_batch_len == 0:
+        param._norm_sample = grad_sample.new_empty((0,))
+    else:
+        param._norm_sample = grad_sample.reshape(len(grad_sample), -1).norm(2, dim=-1)

@@ -69,6 +69,10 @@ class AbstractGradSampleModule(nn.Module, ABC):
         self.batch_first = batch_first
         self.loss_reduction = loss_reduction
         self.grad_accumulation_allowed = True
+        # as Opacus: every trainable parameter has ``grad_sample`` (``None``) from wrapping on
+        for p in module_parameters(m):
+            if p.requires_grad:
+                p.grad_sample = None
 
     @abstractmethod
     def forward(self, *args, **kwargs): ...

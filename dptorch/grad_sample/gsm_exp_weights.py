@@ -7,6 +7,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..validators.errors import UnsupportedModuleError
 from .grad_sample_module import infer_batch_size
 from .gsm_base import AbstractGradSampleModule
 from .unit_params import trainable_signature, trainable_units, unit_parameters
@@ -24,10 +25,20 @@ _EW_UNSUPPORTED = (
 _EW_UNSUPPORTED_NAMES = ("DPLSTM", "DPGRU", "DPRNN", "DPMultiheadAttention")
 
 
-class ExpandedWeightsUnsupportedError(NotImplementedError, ValueError):
+def check_torch_version_for_ew_sample() -> bool:
+    """Whether this torch has the ExpandedWeights API that ``grad_sample_mode="ew"`` runs on
+    (``torch.nn.utils._per_sample_grad``, torch >= 1.13), as Opacus's function of this name."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__) >= (1, 13)
+
+
+class ExpandedWeightsUnsupportedError(NotImplementedError, UnsupportedModuleError):
     """A model that ExpandedWeights cannot differentiate per sample, found when the model is
     wrapped (``make_private``). Both a ``NotImplementedError`` (as the other refusals of this
-    mode) and a ``ValueError`` (as every other refusal of ``make_private``)."""
+    mode) and a :class:`~dptorch.validators.errors.UnsupportedModuleError` (a ``ValueError``, as
+    every other refusal of ``make_private``; Opacus raises that for a BatchNorm layer in this
+    mode)."""
 
 
 def _hf_unsupported(module: nn.Module) -> str | None:

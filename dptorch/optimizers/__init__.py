@@ -23,9 +23,15 @@ from .optimizer_fast_gradient_clipping import (
 )
 from .perlayeroptimizer import DPPerLayerOptimizer
 
+#: Opacus 1.6 lists this misspelling in ``opacus.optimizers.__all__`` (without defining it); here
+#: it names the distributed fast-gradient-clipping optimizer, so ``import *`` works
+DistributedDPOptimizerFastGradientlipping = DistributedDPOptimizerFastGradientClipping
+
 __all__ = [
     "AdaClipDPOptimizer",
     "DistributedDPOptimizer",
+    "DistributedDPOptimizerFastGradientClipping",
+    "DistributedDPOptimizerFastGradientlipping",
     "DistributedPerLayerOptimizer",
     "DPOptimizer",
     "DPOptimizerFastGradientClipping",

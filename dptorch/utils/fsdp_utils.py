@@ -27,12 +27,15 @@ import torch
 from torch import nn
 
 __all__ = [
+    "FSDP2Wrapper",
     "FSDPModule",
     "dtensor_class",
     "fsdp_available",
     "fsdp_original_class",
     "fsdp_units",
+    "has_params",
     "is_fsdp_model",
+    "iterate_submodules",
     "reduce_scatter_sum",
     "refuse_fsdp_model",
     "scatter_from_rank0",
@@ -170,3 +173,46 @@ def refuse_fsdp_model(module: nn.Module, mode: str) -> None:
         "unsharded parameters, so gradients could be released without per-sample clipping. "
         f"Fix: use grad_sample_mode={fix}."
     )
+
+
+def has_params(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters of its own (its submodules' not counted)."""
+    return next(iter(module.parameters(recurse=False)), None) is not None
+
+
+def iterate_submodules(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its submodules that hold parameters of their own, in pre-order."""
+    if has_params(module):
+        yield module
+    for child in module.children():
+        yield from iterate_submodules(child)
+
+
+def FSDP2Wrapper(model: nn.Module, **kwargs) -> nn.Module:  # noqa: N802  (Opacus's name)
+    """Shards ``model`` with FSDP2 for ``grad_sample_mode="ghost_fsdp"`` / ``"bk_fsdp"`` (as
+    Opacus's function of this name): ``fully_shard`` on every submodule that holds parameters
+    of its own (one FSDP unit per layer, so that only one layer is all-gathered at a time), then
+    on ``model`` itself; returns ``model`` (its class is now FSDP's generated one).
+
+    Keyword arguments: ``mp_policy`` (a ``MixedPrecisionPolicy``, default: none), and
+    ``opacus_high_precision_layers`` (a tuple or list of layer classes whose units keep
+    ``torch.get_default_dtype()`` parameters whatever ``mp_policy`` says).
+
+    Opacus leaves a layer with trainable parameters but no per-sample rule in the root unit;
+    ``dptorch.utils`` cannot consult the rule registry, so such a layer gets a unit of its
+    own here (what is computed is the same; only the all-gather grouping differs)."""
+    if not fsdp_available():
+        raise RuntimeError("FSDP2Wrapper needs torch.distributed with FSDP2 (torch >= 2.6).")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp_policy = kwargs.get("mp_policy", MixedPrecisionPolicy())
+    high = tuple(kwargs.get("opacus_high_precision_layers", ()) or ())
+    for module in list(iterate_submodules(model)):
+        if module is model:
+            continue
+        if high and isinstance(module, high):
+            policy = MixedPrecisionPolicy(param_dtype=torch.get_default_dtype())
+            fully_shard(module, mp_policy=policy)
+        else:
+            fully_shard(module, mp_policy=mp_policy)
+    return fully_shard(model, mp_policy=mp_policy)

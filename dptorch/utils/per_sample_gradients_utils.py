@@ -4,5 +4,6 @@
 uses, and this module only re-exports it so that code written for Opacus keeps its imports.
 """
 
+from ..grad_sample.gsm_exp_weights import check_torch_version_for_ew_sample  # noqa: F401
 from ..grad_sample.per_sample_check import *  # noqa: F403
 from ..grad_sample.per_sample_check import __all__  # noqa: F401

@@ -44,8 +44,15 @@ def validate(module: nn.modules.batchnorm._BatchNorm) -> list[UnsupportedModuleE
 @register_module_fixer(BATCHNORM)
 def fix(module: nn.modules.batchnorm._BatchNorm, **kwargs) -> nn.Module:
     """GroupNorm over the same channels (``num_groups``: int or ``f(num_features) -> int``), or
-    InstanceNorm with ``replace_bn_with_in=True``; affine parameters are copied."""
+    InstanceNorm with ``replace_bn_with_in=True``; affine parameters are copied. Raises
+    ``ValueError`` for both ``replace_bn_with_in=True`` and ``num_groups`` (as Opacus: they
+    exclude each other)."""
     c = module.num_features
+    if kwargs.get("replace_bn_with_in", False) and kwargs.get("num_groups") is not None:
+        raise ValueError(
+            "replace_bn_with_in=True and num_groups are mutually exclusive: num_groups applies "
+            "only to the GroupNorm replacement; pass one or the other."
+        )
     if kwargs.get("replace_bn_with_in", False):
         dim = _bn_dim(module)
         new: nn.Module = _INSTANCENORM[dim](c, eps=module.eps, affine=module.affine)
