@@ -331,7 +331,9 @@ def test_virtual_steps_without_poisson_sampling_charge_every_pass(k):
     of 10/k: ε 6.6 reported for k=5 where 12.9 is spent. Every record takes part in one release
     per epoch, so 6 epochs are 6 Gaussians of σ=2 under replace-one (sensitivity 2C): 6-fold
     composition is μ-GDP with μ = √6·2/σ, whose ε is the closed form below."""
-    eps, releases = _fixed_size_run(k, "virtual")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # k divides the pass: no release spans two
+        eps, releases = _fixed_size_run(k, "virtual")
     assert releases == 6 * 10 // k
     want = _gdp_epsilon(math.sqrt(6) * 2 / 2.0, 1e-5)
     assert want <= eps <= want * 1.01, (eps, want)
@@ -341,8 +343,12 @@ def test_virtual_steps_count_like_accumulation_and_bmm_skips_do_not_count():
     """k=3 (10 batches: releases of 3, 3, 3, 1): the virtual steps are charged as plain
     accumulation is, never below the 6 passes' closed form; BatchMemoryManager's physical skips
     are parts of one batch and leave the charge of the unsplit loader."""
-    eps_v, _ = _fixed_size_run(3, "virtual")
-    eps_a, _ = _fixed_size_run(3, "accumulate")
+    # 3 does not divide the 10 batches of a pass: releases span passes, which the accountant
+    # cannot charge (the second review: ε 8.39 reported against a worst case of 10.0), so warn
+    with pytest.warns(RuntimeWarning, match="span two passes"):
+        eps_v, _ = _fixed_size_run(3, "virtual")
+    with pytest.warns(RuntimeWarning, match="span two passes"):
+        eps_a, _ = _fixed_size_run(3, "accumulate")
     assert eps_v == pytest.approx(eps_a, rel=1e-12)
     assert eps_v >= _gdp_epsilon(math.sqrt(6) * 2 / 2.0, 1e-5)
     eps_plain, _ = _fixed_size_run(1, "plain")
