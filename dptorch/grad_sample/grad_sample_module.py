@@ -427,6 +427,14 @@ class GradSampleModule(AbstractGradSampleModule):
             m.register_forward_pre_hook(self._trace_enter, with_kwargs=True)
             for m in self.iterate_submodules(self._module)
         ]
+        for m in self._module.modules():  # DP layers fix their own layout (DPLSTM, DPMHA)
+            if type(m).__module__.startswith("dptorch.layers") and isinstance(
+                getattr(m, "batch_first", None), bool
+            ):
+                self._trace_hooks.append(
+                    m.register_forward_pre_hook(self._trace_layout, with_kwargs=True)
+                )
+                self._trace_hooks.append(m.register_forward_hook(self._trace_layout_out))
         self._trace_bsz = bsz
         self._trace = trace
         trace.__enter__()
@@ -446,6 +454,16 @@ class GradSampleModule(AbstractGradSampleModule):
         # a batch of 0 or 1 sample cannot tell batch data from shared data: trace again then
         if (self._trace_bsz is None or self._trace_bsz > 1) and not self.TRACE_EVERY_PASS:
             self._trace_armed = False
+
+    def _trace_layout(self, module, args, kwargs):
+        if self._trace is not None and module.training:
+            with self._trace.paused():
+                self._trace.check_layout(module, (args, kwargs), 0 if module.batch_first else 1)
+
+    def _trace_layout_out(self, module, args, output):
+        if self._trace is not None and module.training:
+            with self._trace.paused():
+                self._trace.layout_output(output, 0 if module.batch_first else 1)
 
     def _trace_enter(self, module, args, kwargs):
         if self.autograd_forms_clipped_sum and module.training and torch.is_grad_enabled():

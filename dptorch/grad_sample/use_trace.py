@@ -184,6 +184,7 @@ class UseTrace(TorchFunctionMode):
         self.module_names = module_names
         self.batch_size = batch_size
         self.batched: dict[int, torch.Tensor] = {id(t): t for t in batch_inputs}
+        self._declared = {id(t) for t in batch_inputs}  # axis by batch_first, not by the trace
         #: the batch axis of batched tensors where the trace can follow it (``None``: unknown)
         self.axis: dict[int, int | None] = {
             id(t): bdim if t.dim() > bdim else None for t in batch_inputs
@@ -267,6 +268,35 @@ class UseTrace(TorchFunctionMode):
                     "parameters (or, if every such layer takes (T, B, ...) inputs, wrap the "
                     "model with batch_first=False), or freeze this layer."
                 )
+
+    def check_layout(self, module: nn.Module, inputs, bdim: int) -> None:
+        """A layer with a layout of its own (a DP layer's ``batch_first``) is called: its first
+        input must have the batch where that layout says (such a layer's forward mixes the
+        samples otherwise, e.g. a recurrence run along the batch)."""
+        first = next(tensors_in(inputs), None)
+        if first is None or id(first) not in self.batched or self._moved:
+            return
+        if id(first) in self._declared:  # the model's own input: its layout is the layer's
+            return
+        ax = self.axis.get(id(first))
+        if ax is not None and ax != bdim:
+            self._moved = True
+            name = self.module_names.get(id(module), type(module).__name__)
+            self.problems.append(
+                f"{name} ({type(module).__name__}, batch_first={bdim == 0}) receives an input of "
+                f"shape {tuple(first.shape)} whose batch is in dimension {ax}: its forward would "
+                "treat positions as samples and mix the samples. Fix: pass the input in the "
+                "layer's layout, or build the layer with the other batch_first."
+            )
+
+    def layout_output(self, output, bdim: int) -> None:
+        """Such a layer's first output has the batch where its layout says."""
+        t = next(tensors_in(output), None)
+        b = self.batch_size
+        if t is not None and id(t) in self.batched and t.dim() > bdim and (
+            b is None or t.shape[bdim] == b
+        ):
+            self.axis[id(t)] = bdim
 
     def exit(self, module: nn.Module, output, expanded: bool = False) -> None:
         """A hooked call ends (forward hook): its first output is the sanctioned exit;

@@ -315,3 +315,33 @@ def test_a_batch_first_stack_of_states_stays_exact_when_sizes_coincide(mode):
     torch.manual_seed(0)
     x, y = torch.randn(4, 4, 3, dtype=DT), torch.randn(4, dtype=DT)
     assert assert_exact_or_refused(_BatchFirstRNN().to(DT), mode, x, y, 0.2, must_work=True) == "exact"
+
+
+class _SeqFirstLSTM(nn.Module):
+    """A batch-first model running a sequence-first DPLSTM (``batch_first=False``) with
+    ``x.transpose(0, 1)``, or, with ``wrong``, handing that transposed tensor to a DPLSTM built
+    ``batch_first=True`` (its recurrence then runs along the batch). Sizes all 4, on purpose."""
+
+    def __init__(self, wrong: bool = False):
+        super().__init__()
+        from dptorch.layers import DPLSTM
+
+        self.wrong = wrong
+        self.lstm, self.head = DPLSTM(4, 4, batch_first=wrong), nn.Linear(4, 1)
+
+    def forward(self, x):
+        out, _ = self.lstm(x.transpose(0, 1))
+        return self.head(out if self.wrong else out.transpose(0, 1)).sum((1, 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dp_layer_fed_against_its_own_layout_is_refused_and_used_right_is_exact(mode):
+    """*Finding of the second review* (silent): a ``(T, B, d)`` tensor given to DPLSTM or
+    DPMultiheadAttention built with ``batch_first=True`` was trained on (the layers fix their
+    own layout, so the trace did not check them). Now refused; the right use stays exact at
+    T = B = hidden size, where the DPLSTM's output axis comes from its layout."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 4, 4, dtype=DT), torch.randn(4, dtype=DT)
+    assert assert_exact_or_refused(_SeqFirstLSTM().to(DT), mode, x, y, 0.3, must_work=True) == "exact"
+    with pytest.raises(ValueError, match=r"lstm \(DPLSTM, batch_first=True\) receives"):
+        dp_update(_SeqFirstLSTM(wrong=True).to(DT), mode, x, y, 0.3)
