@@ -411,7 +411,9 @@ class UseTrace(TorchFunctionMode):
                     None if ax is None else out_axis(func, args, kwargs, src, ax, t, self.batch_size)
                 )
             dst = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if dst is not None and id(dst) not in self.batched:
+            if dst is not None and dst is not src and (
+                id(dst) not in self.batched or self.axis.get(id(dst)) is None
+            ):
                 # batch data written into a tensor made elsewhere (``out[:] = x``, ``out.copy_(x)``)
                 self.batched[id(dst)] = dst
                 self.copies.pop(id(dst), None)
