@@ -345,3 +345,21 @@ def test_a_dp_layer_fed_against_its_own_layout_is_refused_and_used_right_is_exac
     assert assert_exact_or_refused(_SeqFirstLSTM().to(DT), mode, x, y, 0.3, must_work=True) == "exact"
     with pytest.raises(ValueError, match=r"lstm \(DPLSTM, batch_first=True\) receives"):
         dp_update(_SeqFirstLSTM(wrong=True).to(DT), mode, x, y, 0.3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_t5_with_decoder_length_equal_to_the_batch_is_not_refused(mode):
+    """T5 shifts its labels into decoder ids through ``new_zeros`` and a sliced write; with the
+    decoder length equal to the batch size those ids must keep a known batch axis (else the
+    embedding's input would look ambiguous and be refused)."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                      dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(cfg).to(DT)
+    from dptorch.grad_sample import wrap_model
+
+    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum")
+    ids, labels = torch.randint(1, 32, (4, 6)), torch.randint(1, 32, (4, 4))
+    out = gsm(input_ids=ids, labels=labels)
+    assert out.logits.shape == (4, 4, 32)
