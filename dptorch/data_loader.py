@@ -674,12 +674,10 @@ def switch_generator(*, data_loader: DataLoader, generator: torch.Generator | No
     for sampler in (data_loader.batch_sampler, data_loader.sampler):
         if sampler is not None and hasattr(sampler, "generator"):
             sampler.generator = generator
-            data_loader.generator = generator  # the per-pass base seed comes from it too
             return data_loader
         inner = getattr(sampler, "sampler", None)  # BatchSampler(RandomSampler)
         if inner is not None and hasattr(inner, "generator"):
             inner.generator = generator
-            data_loader.generator = generator
             return data_loader
     raise ValueError(
         f"Cannot switch the generator of {type(data_loader).__name__}: its sampler "

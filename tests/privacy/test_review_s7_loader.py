@@ -78,20 +78,3 @@ def test_batch_memory_manager_length_with_fixed_size_batches(n, batch, physical)
             opt.zero_grad()
             count += 1
         assert len(pl) == count
-
-
-def test_switch_generator_draws_everything_from_the_new_generator():
-    """(Opacus's own test suite) The loader's per-pass base seed came from the old generator,
-    so a loader switched to an identically seeded generator drew another order than a loader
-    built with it."""
-    from torch.utils.data import DataLoader
-
-    from dptorch.data_loader import switch_generator
-
-    ds = list(range(20))
-    built = [b.tolist() for b in DataLoader(ds, batch_size=5, shuffle=True,
-                                            generator=torch.Generator().manual_seed(7))]
-    old = torch.Generator().manual_seed(123)
-    loader = switch_generator(data_loader=DataLoader(ds, batch_size=5, shuffle=True, generator=old),
-                              generator=torch.Generator().manual_seed(7))
-    assert [b.tolist() for b in loader] == built
