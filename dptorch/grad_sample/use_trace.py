@@ -315,16 +315,13 @@ class UseTrace(TorchFunctionMode):
             # inputs that reach the batch only through copies or expanded tensors: expanded
             truly = any(id(t) in self.batched for t in call.inputs)
             marks = self.batched if truly else self.expanded
-            src = next((t for t in call.inputs if id(t) in self.batched), None)
             for t in tensors_in(output):
                 if id(t) not in self.batched and id(t) not in self.expanded:
                     marks[id(t)] = t
-                    if truly and src is not None:
-                        self.axis[id(t)] = kept_axis(self.axis.get(id(src)), src, t, self.batch_size)
         # a sampled layer maps the rows of its batch dimension to the same rows of its output,
         # however it computes them (bk's Linear runs on a flattened (B·T, d) view)
-        src = call.inputs[0] if call.inputs else None
-        if call.sampled and src is not None and id(src) in self.batched:
+        src = next((t for t in call.inputs if id(t) in self.batched), None)
+        if call.sampled and src is not None:
             b, d = self.batch_size, call.bdim
             for t in tensors_in(output):
                 if id(t) in self.batched:
@@ -392,9 +389,7 @@ class UseTrace(TorchFunctionMode):
         if any(id(t) in self.expanded for t in inputs):
             self._check_expanded(func, inputs, outs)
         if any(id(t) in self.batched for t in inputs):
-            batched = [t for t in inputs if id(t) in self.batched]
-            if args and id(args[0]) in self.batched:
-                batched.insert(0, args[0])
+            batched = [t for t in inputs if id(t) in self.batched]  # args[0] first, if it is
             # the input whose batch axis is known leads (a mask made by x.new_ones has none)
             src = next((t for t in batched if self.axis.get(id(t)) is not None), batched[0])
             ax = self.axis.get(id(src))
