@@ -530,7 +530,9 @@ class GradSampleModule(AbstractGradSampleModule):
         if hooked is out:
             out.register_hook(on_grad)
         else:
-            hooked.register_hook(partial(_view_grad, on_grad, out.detach(), hooked))
+            # the base's offset, not the base: a hook holding its own tensor is a cycle that the
+            # garbage collector does not see, and it would keep every step's graph alive
+            hooked.register_hook(partial(_view_grad, on_grad, out.detach(), hooked.storage_offset()))
         return new_output
 
     def module_name(self, module: nn.Module) -> str:
@@ -1061,10 +1063,10 @@ def _non_overlapping(t: torch.Tensor) -> bool:
     return True
 
 
-def _view_grad(on_grad, view: torch.Tensor, base: torch.Tensor, grad: torch.Tensor):
+def _view_grad(on_grad, view: torch.Tensor, base_offset: int, grad: torch.Tensor):
     """Calls ``on_grad`` with the part of ``grad`` (the gradient of a hooked view's contiguous
-    base) that ``view`` covers, laid out as the view."""
-    offset = view.storage_offset() - base.storage_offset()
+    base, whose storage offset is ``base_offset``) that ``view`` covers, laid out as the view."""
+    offset = view.storage_offset() - base_offset
     return on_grad(grad.contiguous().as_strided(view.shape, view.stride(), offset))
 
 

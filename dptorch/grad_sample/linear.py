@@ -18,9 +18,9 @@ from torch import nn
 from .norm_samplers import (
     Factors,
     ParamDict,
-    acc_dtype,
     clip_weighted_pair,
     ghost_is_cheaper,
+    gram,
     norm_product_sq,
     position_sum,
     positions,
@@ -28,7 +28,6 @@ from .norm_samplers import (
     sq_norms,
     sq_sum,
     wants_grad,
-    widened,
 )
 from .registry import LayerRule, pairs_with, register_layer_rule
 
@@ -61,14 +60,14 @@ def _output_gram(backprops: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     the next call gets the same, unmodified ``backprops`` object."""
     global _last_gram
     if backprops.is_inference():  # no version counter
-        return torch.bmm(g, g.transpose(1, 2))
+        return gram(g)
     # a view of the same tensor counts as the same (hooks may reshape the gradient they get)
     root = backprops if backprops._base is None else backprops._base
     key = (backprops._version, g.shape, g.stride(), g.storage_offset(), g.data_ptr())
     last = _last_gram
     if last is not None and last[0]() is root and last[1] == key:
         return last[2]
-    gg = torch.bmm(g, g.transpose(1, 2))
+    gg = gram(g)
     _last_gram = (weakref.ref(root, _forget_gram), key, gg)
     return gg
 
@@ -89,11 +88,9 @@ def _gram_norms(a: torch.Tensor, g: torch.Tensor, gg: torch.Tensor | None = None
     is 0: the sample is dropped, never released unclipped."""
     if a.shape[1] == 1:
         return norm_product_sq(a, g, (1, 2))
-    a = widened(a)
-    aa = torch.bmm(a, a.transpose(1, 2))
+    aa = gram(a)
     if gg is None:
-        g = widened(g)
-        gg = torch.bmm(g, g.transpose(1, 2))
+        gg = gram(g)
     return (aa * gg).sum((1, 2))
 
 
@@ -112,9 +109,7 @@ def compute_linear_norm_sq_sample(
     ret: ParamDict = {}
     if wants_grad(layer.weight):
         if ghost_is_cheaper(a3.shape[1], a3.shape[2], g3.shape[2]):
-            # float16/bfloat16: the float32 Gram is made by _gram_norms (not shared)
-            share = t > 1 and acc_dtype(g3) is None
-            gg = _output_gram(backprops, g3) if share else None
+            gg = _output_gram(backprops, g3) if t > 1 else None
             ret[layer.weight] = _gram_norms(a3, g3, gg)
         else:
             ret[layer.weight] = sq_norms(torch.bmm(g3.transpose(1, 2), a3))

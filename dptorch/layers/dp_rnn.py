@@ -584,7 +584,7 @@ class _LSTMValues:
     faults on a CPU.
     """
 
-    out: torch.Tensor
+    out: torch.Tensor | None
     hprev: torch.Tensor
     pre: torch.Tensor
     cs: torch.Tensor
@@ -671,9 +671,13 @@ class _LSTMRecurrence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xi, hh, h0, c0, values: _LSTMValues):
+        out, h_n, c_n = values.out, values.h_n, values.c_n
+        # the node keeps ``values`` for its backward but not its own outputs: a node that holds
+        # them is a reference cycle the garbage collector cannot see (every step's graph leaks)
+        values.out = values.h_n = values.c_n = None
         ctx.values = values
         ctx.coefficients_ready = False
-        return values.out, values.h_n, values.c_n
+        return out, h_n, c_n
 
     @staticmethod
     def _coefficients(v: _LSTMValues) -> None:
@@ -705,10 +709,10 @@ class _LSTMRecurrence(torch.autograd.Function):
         # dG_t = [dc·ci, dc·cf, dc·cg, dh·co] with dc = dc_next + dh·∂c/∂h; dc_prev = dc·f
         d_gates = torch.empty_like(v.gates)
         steps = list(range(t_len) if v.reverse else range(t_len - 1, -1, -1))
-        dh = v.h_n.new_zeros(b, h_size) if d_hn is None else d_hn
+        dh = v.gates.new_zeros(b, h_size) if d_hn is None else d_hn
         if d_out is not None:
             dh = dh + d_out[:, steps[0]]
-        dc = v.c_n.new_zeros(b, h_size) if d_cn is None else d_cn
+        dc = v.gates.new_zeros(b, h_size) if d_cn is None else d_cn
         w_hh = v.w_hh.to(coef.dtype)
         for k, t in enumerate(steps):
             dh_cell, dc_cell = dh, dc
