@@ -126,6 +126,11 @@ class DPTensorFastGradientClipping:
                 weighted.backward()
         finally:
             self.module.enable_hooks()
+        for p in self.module.trainable_parameters():
+            # nn.Embedding(sparse=True): the clipped sum as the other modes release it (dense:
+            # the noise covers every row), which the optimizer's noise can be added to
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
         self.module.mark_clipped_pass(bound)
 
 

@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.utils.stateless import _reparametrize_module
 
+from .recompute_state import recompute_guard
 from .unit_params import unit_parameters
 from .use_trace import tensors_in
 
@@ -53,9 +55,10 @@ def ft_compute_per_sample_gradient(
         return {p: p.new_zeros((0, *p.shape)) for _, p in named}
     label = f"{name or type(layer).__name__} ({type(layer).__name__})"
     _check_no_nested_batch(label, activations, kwargs, backprops.shape[0])
-    per_sample = _vmap_grad(
-        layer, names, values, activations, backprops, kwargs, batch_first, label, shared
-    )
+    with recompute_guard(layer, label):  # a stateful forward is refused (recompute_state.py)
+        per_sample = _vmap_grad(
+            layer, names, values, activations, backprops, kwargs, batch_first, label, shared
+        )
     return {p: gs for (_, p), gs in zip(named, per_sample)}
 
 
@@ -71,8 +74,8 @@ def _vmap_grad(
     shared: Mapping[int | str, torch.Size] | None = None,
 ) -> tuple:
     """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the parameters ``names`` (given the
-    values ``values``), one ``(B, *shape)`` tensor per name: ``vmap`` over ``grad`` of a
-    ``functional_call`` on one sample. The call on one sample must return one row (its batch
+    values ``values``), one ``(B, *shape)`` tensor per name: ``vmap`` over ``grad`` of
+    :func:`call_forward` on one sample. The call on one sample must return one row (its batch
     dimension of size 1), else ``ValueError``: the layer read other samples' data."""
     batch_size = backprops.shape[0]
     bdim = 0 if batch_first else 1
@@ -94,9 +97,7 @@ def _vmap_grad(
             kw[k] = v.unsqueeze(bdim)
         # tie_weights=False: only these names are substituted, so a parameter this layer shares
         # with another hooked module is differentiated where that module samples it
-        out = functional_call(
-            layer, dict(zip(names, param_values)), tuple(args), kw, tie_weights=False
-        )
+        out = call_forward(layer, dict(zip(names, param_values)), tuple(args), kw)
         if isinstance(out, (tuple, list)):
             out = out[0]
         if out.dim() > bdim and out.shape[bdim] != 1:
@@ -124,16 +125,28 @@ def _vmap_grad(
     except RuntimeError as e:
         if "functorch transform" not in str(e) and "vmap" not in str(e):
             raise
-        hooks = [h for m in layer.modules() for h in (*m._forward_hooks.values(),
-                                                      *m._forward_pre_hooks.values())]
+        hooks = [h for m in layer.modules() if m is not layer
+                 for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
         raise ValueError(
             f"{label or type(layer).__name__}: torch.func cannot compute its per-sample "
             f"gradients (vmap over the layer's call): {e.args[0].splitlines()[0]} "
-            + (f"The layer's own forward hooks run inside that call: {hooks}. " if hooks else "")
+            + (f"The forward hooks of its submodules run inside that call: {hooks}. "
+               if hooks else "")
             + "Fix: use grad_sample_mode='hooks' or 'bk' (no torch.func), remove the hook "
             "(Hugging Face: gradient checkpointing adds one through enable_input_require_grads), "
             "or register a grad sampler for the layer (dptorch.grad_sample.register_grad_sampler)."
         ) from e
+
+
+def call_forward(layer: nn.Module, params: dict, args: tuple, kwargs: dict):
+    """``layer.forward(*args, **kwargs)`` with the tensors ``params`` (by name) in place of the
+    layer's own (``torch.func.functional_call`` with ``tie_weights=False``, without the layer's
+    own hooks): the recompute of one captured call. Its inputs were captured after the forward
+    pre-hooks (global and the layer's) ran, and its output gradient is taken at the output of
+    ``forward``, before any forward hook, so neither kind may run again here; the submodules
+    are called as usual (their hooks are part of the layer's forward)."""
+    with _reparametrize_module(layer, params, tie_weights=False):
+        return layer.forward(*args, **kwargs)
 
 
 def _check_no_nested_batch(label: str, activations: Sequence, kwargs: dict, rows: int) -> None:

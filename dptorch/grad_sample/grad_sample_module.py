@@ -18,20 +18,23 @@ import contextlib
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 from torch.nn.utils.rnn import PackedSequence
 
 from ..utils.fsdp_utils import refuse_fsdp_model
+from .escapes import escaped_tensors, escaped_use, guard_escapes, is_escape_guard, mark_escapes
 from .functorch import ft_compute_per_sample_gradient, module_batch_first
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
 from .hf_adapters import install_adapters
 from .param_edges import is_sanctioned, next_sequence_nr, param_consumers, sanction
-from .registry import GRAD_SAMPLERS
+from .registry import GRAD_SAMPLERS, replaced_forward
 from .step_record import PassRecord, StepRecord, register_record, unregister_record
 from .unit_params import own_parameters, sampled_parameters, trainable_signature, trainable_units
 from .use_trace import UseTrace, tensors_in
@@ -148,6 +151,7 @@ class GradSampleModule(AbstractGradSampleModule):
         self._forward: _ForwardBatch | None = None
         self._trace: UseTrace | None = None
         self._consumer_generation = 0  # ghost: see _sanction_call
+        self._escape_floor: int | None = None  # ghost: see _check_escapes
         self._call_floors: dict[int, list[int]] = {}
         self._trace_hooks: list = []
         self._trace_bsz: int | None = None
@@ -158,6 +162,14 @@ class GradSampleModule(AbstractGradSampleModule):
         self._trainable_signature: tuple = ()
         #: torch.func-sampled layers: {position or keyword: shape} of inputs not from the batch
         self._shared_inputs: dict[int, dict] = {}
+        #: {id(layer): id of its capture hook's handle}: the first of the layer's forward hooks
+        self._capture_ids: dict[int, int] = {}
+        #: while a global forward hook of someone else is registered: the global hook that runs
+        #: first (:class:`_OutputWitness`) and what it saw, {id(layer): (output, version)}
+        self._witness: _OutputWitness | None = None
+        self._raw_outputs: dict[int, tuple] = {}
+        #: handles of the capture's tensor hooks registered in the current forward pass
+        self._tensor_hooks: list = []
         self.record = StepRecord()
         self._adapters = install_adapters(m)
         self.add_hooks(
@@ -186,6 +198,8 @@ class GradSampleModule(AbstractGradSampleModule):
         training = self._module.training and torch.is_grad_enabled() and self.hooks_enabled
         if training and self._trainable_signature != trainable_signature(self._module):
             self._refresh_units()
+        if training:
+            self._order_capture_hooks()
         self._forward = _ForwardBatch(
             infer_batch_size(args, kwargs, self.batch_first), seq_floor=next_sequence_nr()
         )
@@ -196,14 +210,36 @@ class GradSampleModule(AbstractGradSampleModule):
         """After the forward pass: the trace's verdict (raises on a problem) and the output's
         batch size; returns ``out``."""
         try:
-            if self._trace is not None:
+            trace = self._trace
+            if trace is not None:
                 self._finish_trace(check=not failed)
+                if not failed:
+                    out = self._check_escapes(trace, out)
             if not failed:
                 self._forward.output_rows = output_batch_size(out, self.batch_first)
             return out
         finally:
             self._forward = None
             self._call_floors.clear()
+            _last_of_their_tensors(self._tensor_hooks)
+            self._tensor_hooks = []
+
+    def _check_escapes(self, trace: UseTrace, out):
+        """Rule 2 after a traced pass (dptorch/grad_sample/escapes.py): a tensor computed in a
+        hooked call from its parameters that left the call other than through its first output
+        is refused if the loss is differentiated through it. In the output or on a module it is
+        replaced by a guard whose backward raises; ghost also marks its autograd node, so that
+        :meth:`check_param_uses` finds any later use of it, wherever it was kept, before the DP
+        loss's first backward pass. Returns the output."""
+        escaped = escaped_tensors(trace)
+        if not escaped:
+            return out
+        if self.autograd_forms_clipped_sum:
+            end = next_sequence_nr()
+            mark_escapes(trace, escaped, self, end)
+            floor = self._escape_floor
+            self._escape_floor = end if floor is None else min(floor, end)
+        return guard_escapes(trace, out, self._module, escaped)
 
     def _sanction_call(self, module: nn.Module, out, floor: int) -> None:
         """Ghost: marks the autograd nodes created during this hooked call of ``module`` through
@@ -212,7 +248,11 @@ class GradSampleModule(AbstractGradSampleModule):
         forward or custom Function, an eval-mode call) is not marked."""
         if not (self.hooks_enabled and torch.is_grad_enabled()):
             return
-        nodes = param_consumers(tensors_in(out), set(self.sampled_ids(module)), floor)
+        # the first output only: the hooks see no other output's gradient (escapes.py)
+        first = _first_tensor(out)
+        if first is None:
+            return
+        nodes = param_consumers([first], set(self.sampled_ids(module)), floor)
         sanction(nodes, self, self._consumer_generation)
 
     def check_param_uses(self, loss: torch.Tensor) -> None:
@@ -231,9 +271,25 @@ class GradSampleModule(AbstractGradSampleModule):
                 "the clipped sum, after clipping, and could change what is released. Remove the "
                 "hook, or use grad_sample_mode='bk' or 'hooks'."
             )
-        found = param_consumers([loss], set(names))
+        # a tensor that left a hooked call other than by its first output (escapes.py): its
+        # guard, or (ghost marks them) a node made after the forward pass that takes it
+        floor, self._escape_floor = self._escape_floor, None
+
+        def escape(node) -> bool:
+            return is_escape_guard(node) or (
+                floor is not None and node._sequence_nr() >= floor
+                and escaped_use(node, self) is not None
+            )
+
+        escapes: list = []
+        found = param_consumers([loss], set(names), flagged=escape, found=escapes)
         generation = self._consumer_generation
         self._consumer_generation += 1  # spent: a second DP loss needs a new forward pass
+        if escapes:
+            node = escapes[0]
+            raise ValueError(
+                node.dptorch_escape if is_escape_guard(node) else escaped_use(node, self)
+            )
         stray = [node for node in found if not is_sanctioned(node, self, generation)]
         if stray:
             params = sorted({names[id(nxt.variable)] for node in stray
@@ -277,7 +333,9 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def _root_post_hook(self, module, args, kwargs, out):
         if self._forward is not None and not self._in_functorch:
-            self._end_forward(out, failed=sys.exc_info()[0] is not None)
+            new = self._end_forward(out, failed=sys.exc_info()[0] is not None)
+            if new is not out:  # an escaped tensor replaced by its guard
+                return new
 
     # ------------------------------------------------------------------ hooks management
     def add_hooks(
@@ -293,12 +351,106 @@ class GradSampleModule(AbstractGradSampleModule):
         self._sampled = sampled_parameters(self._module)
         self._trainable_signature = trainable_signature(self._module)
         self._module_names = {id(m): name or "<root>" for name, m in self._module.named_modules()}
+        self._capture_ids = {}
         for module in self.iterate_submodules(self._module):
-            handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
+            # the layer's first forward hook: the per-sample gradient formulas (and torch.func's
+            # recompute of ``forward``) need the output of ``forward`` itself, before a user's
+            # hook rescales or replaces it (see :meth:`_order_capture_hooks`)
+            handle = module.register_forward_hook(
+                self._forward_hook, with_kwargs=True, prepend=True
+            )
             self.autograd_grad_sample_hooks.append(handle)
+            self._capture_ids[id(module)] = handle.id
+            _place_capture_hook(handle)
         register_record(self._module.parameters(), self.record)
         self._trace_armed = True
         self.enable_hooks()
+
+    def _order_capture_hooks(self) -> None:
+        """Before a training forward pass: every layer's capture hook is put back first among
+        the layer's forward hooks (a hook registered after wrapping with ``prepend=True`` went
+        before it), so that it gets the output of the layer's ``forward`` whatever the user's
+        hooks do to it afterwards. While someone else's global forward hook is registered
+        (``register_module_forward_hook``: those run before any module's own hooks), a global
+        hook of this module runs before it and records each layer's output, which the capture
+        hook compares with what it gets (:meth:`_check_forward_output`)."""
+        for handle in self.autograd_grad_sample_hooks:
+            _place_capture_hook(handle)
+        self._raw_outputs.clear()
+        if _foreign_global_forward_hooks():
+            if self._witness is None:
+                self._witness = _OutputWitness(self)
+            self._witness.go_first()
+        elif self._witness is not None:
+            self._remove_witness()
+
+    def _remove_witness(self) -> None:
+        if self._witness is not None:
+            self._witness.remove()
+        self._witness = None
+        self._raw_outputs.clear()
+
+    def _witness_output(self, module: nn.Module, output) -> None:
+        """:class:`_OutputWitness`: keeps the output of a call of a hooked layer, as its
+        ``forward`` returned it (before any other global hook), for the capture hook (weakly:
+        a call whose capture hook does not run leaves nothing alive)."""
+        if (
+            self._capture_ids.get(id(module)) in module._forward_hooks
+            and self.hooks_enabled
+            and self.forward_hooks_enabled
+            and not self._in_functorch
+            and module.training
+            and torch.is_grad_enabled()
+        ):
+            out = _first_tensor(output)
+            if out is not None and out.requires_grad:
+                self._raw_outputs[id(module)] = (weakref.ref(out), out._version)
+
+    def _check_forward_output(self, module: nn.Module, out: torch.Tensor) -> None:
+        """Raises ``ValueError`` unless ``out``, the first output tensor the capture hook got, is
+        that of the layer's ``forward`` itself: no forward hook of the layer ran before the
+        capture hook, and no global forward hook of someone else replaced or modified it in
+        place. The per-sample gradients are computed from the output of ``forward`` (a grad
+        sampler's formula, torch.func's recompute of ``forward``); a hook that rescales it would
+        make them wrong, and their clip factors would not bound what each sample contributes."""
+        name = f"{self.module_name(module)} ({type(module).__name__})"
+        if not _capture_hook_first(module._forward_hooks, self._capture_ids.get(id(module))):
+            raise ValueError(
+                f"{name}: a forward hook registered on this layer with prepend=True ran before "
+                "dptorch's per-sample capture hook (it was registered during the forward pass, or "
+                "the layer was called outside a forward pass of the wrapped model, where dptorch "
+                "puts its own hook first). Per-sample gradients are computed from the output of "
+                "the layer's forward; a hook that rescales or replaces it would make them wrong "
+                "and their clipping would not bound each sample's contribution. Fix: register "
+                "the hook before the forward pass or without prepend=True, or call the layer "
+                "through the wrapped model."
+            )
+        raw = self._raw_outputs.pop(id(module), None)
+        if raw is None:
+            if _foreign_global_forward_hooks():
+                raise ValueError(
+                    f"{name}: a global forward hook (register_module_forward_hook) is "
+                    "registered, and it runs before dptorch's per-sample capture hook; this call "
+                    "of the layer came before any forward pass of the wrapped model since the "
+                    "hook was added, so dptorch cannot check that the hook leaves the layer's "
+                    "output unchanged (per-sample gradients are computed from the output of the "
+                    "layer's forward). Fix: call the wrapped model (its forward pass installs "
+                    "the check), or remove the global hook while training."
+                )
+            return
+        if raw[0]() is not out or raw[1] != out._version:
+            raise ValueError(
+                f"{name}: a global forward hook (torch.nn.modules.module."
+                "register_module_forward_hook) replaced this layer's output or modified it in "
+                "place. Global hooks run before a module's own hooks, so dptorch's per-sample "
+                "capture hook would take the gradient at the hook's result while the layer's "
+                "per-sample gradient formula needs the output of its forward: the per-sample "
+                "gradients would be wrong and their clipping would not bound each sample's "
+                "contribution. Fix: register the hook on the module instead "
+                "(module.register_forward_hook: dptorch runs its own hook first), apply the "
+                "change inside a module's forward, or let the global hook only observe (return "
+                "None, no in-place change)."
+            )
 
     def iterate_submodules(self, module: nn.Module) -> Iterator[nn.Module]:
         """The submodules of ``module`` (itself included) that get a per-sample-gradient hook:
@@ -348,6 +500,7 @@ class GradSampleModule(AbstractGradSampleModule):
         for h in self.autograd_grad_sample_hooks:
             h.remove()
         self.autograd_grad_sample_hooks = []
+        self._remove_witness()
 
     def cleanup(self) -> None:
         self.detach_from_module()
@@ -505,6 +658,7 @@ class GradSampleModule(AbstractGradSampleModule):
         out = _first_tensor(output)
         if out is None or not out.requires_grad:
             return None
+        self._check_forward_output(module, out)
         activations = list(args)
         kwargs = dict(kwargs or {})
         new_output = None
@@ -527,12 +681,17 @@ class GradSampleModule(AbstractGradSampleModule):
             activations, kwargs = _kwargs_to_positional(module, activations, kwargs)
         self.capture_activations_hook(module, activations, hooked, forward_kwargs=kwargs)
         on_grad = partial(self._on_backprops, module, activations, kwargs, self._forward, [])
-        if hooked is out:
-            out.register_hook(on_grad)
-        else:
+        if hooked is not out:
             # the base's offset, not the base: a hook holding its own tensor is a cycle that the
             # garbage collector does not see, and it would keep every step's graph alive
-            hooked.register_hook(partial(_view_grad, on_grad, out.detach(), hooked.storage_offset()))
+            on_grad = partial(_view_grad, on_grad, out.detach(), hooked.storage_offset())
+        # the last of the tensor's hooks (see _last_tensor_hook): a hook registered later (by a
+        # forward hook of the user's, or the parent's forward) changes the layer's gradient
+        place: list = []
+        handle = hooked.register_hook(partial(self._last_tensor_hook, module, place, on_grad))
+        place.append(handle)
+        if self._forward is not None:
+            self._tensor_hooks.append(handle)
         return new_output
 
     def module_name(self, module: nn.Module) -> str:
@@ -540,7 +699,8 @@ class GradSampleModule(AbstractGradSampleModule):
         return self._module_names.get(id(module), type(module).__name__)
 
     def _uses_functorch(self, module: nn.Module) -> bool:
-        return self.force_functorch or type(module) not in self.GRAD_SAMPLERS
+        return (self.force_functorch or type(module) not in self.GRAD_SAMPLERS
+                or replaced_forward(module))
 
     def _note_shared_inputs(
         self, module: nn.Module, args: list, kwargs: dict, *, expanded: bool
@@ -575,6 +735,30 @@ class GradSampleModule(AbstractGradSampleModule):
         """Runs once per hooked call in the forward pass, after its inputs were kept (fast
         clipping counts calls and keeps output edges here). ``_forward_output`` is the tensor
         whose gradient is hooked: the output, or the base it reshapes (see ``_hookable``)."""
+
+    def _last_tensor_hook(self, module, place: list, on_grad, grad):
+        """The capture's tensor hook; ``place[0]`` its handle. Tensor hooks run in the order of
+        registration, each on the previous one's result, and the layer's backward gets the
+        last result: the per-sample gradients must come from that one. At the end of a forward
+        pass of the wrapped model every capture hook is moved after the hooks registered on
+        its tensor since (:meth:`_end_forward`); one registered after that (between the forward
+        and the backward pass) is refused."""
+        if self.hooks_enabled and self.backward_hooks_enabled and place:
+            hooks = place[0].hooks_dict_ref()
+            keys = list(dict.__iter__(hooks)) if hooks is not None else []  # autograd's order
+            later = keys[keys.index(place[0].id) + 1:] if place[0].id in keys else []
+            if not all(_is_capture_tensor_hook(hooks[key]) for key in later):
+                raise ValueError(
+                    f"{self.module_name(module)} ({type(module).__name__}): a tensor hook "
+                    "(Tensor.register_hook) was registered on this layer's output after the "
+                    "forward pass of the wrapped model (or during a call of the layer outside "
+                    "it). It runs after dptorch's per-sample capture hook and may change the "
+                    "gradient the layer's backward receives, which the per-sample gradients "
+                    "would then not match (and their clipping would not bound each sample's "
+                    "contribution). Fix: register it during the forward pass (in the model's "
+                    "forward or a forward hook), or on a tensor computed from the output."
+                )
+        return on_grad(grad)
 
     def _on_backprops(self, module, activations, kwargs, fwd, passes: list, grad):
         if torch.is_grad_enabled():  # even with the backward hooks off: nothing sees that use
@@ -696,7 +880,7 @@ class GradSampleModule(AbstractGradSampleModule):
 
     def _compute_grad_samples(self, module, activations, backprops, kwargs):
         sampled = self._sampled.get(id(module), ())
-        sampler = None if self.force_functorch else self.GRAD_SAMPLERS.get(type(module))
+        sampler = None if self._uses_functorch(module) else self.GRAD_SAMPLERS.get(type(module))
         if sampler is not None:
             ids = self.sampled_ids(module)
             return {p: g for p, g in sampler(module, activations, backprops).items() if id(p) in ids}
@@ -1068,6 +1252,98 @@ def _view_grad(on_grad, view: torch.Tensor, base_offset: int, grad: torch.Tensor
     base, whose storage offset is ``base_offset``) that ``view`` covers, laid out as the view."""
     offset = view.storage_offset() - base_offset
     return on_grad(grad.contiguous().as_strided(view.shape, view.stride(), offset))
+
+
+class _OutputWitness:
+    """A global forward hook (``register_module_forward_hook``) that a GradSampleModule keeps
+    first among the global forward hooks while someone else's is registered: it records the
+    output of every call of a hooked layer as the layer's ``forward`` returned it, before any
+    other global hook (they run before a module's own hooks) can replace or modify it; the
+    capture hook compares (:meth:`GradSampleModule._check_forward_output`). Holds its module
+    weakly: the witness of a module dropped without ``cleanup()`` removes itself."""
+
+    def __init__(self, gsm: GradSampleModule):
+        self._gsm = weakref.ref(gsm)
+        self.handle = _torch_module.register_module_forward_hook(self)
+
+    def go_first(self) -> None:
+        hooks = _torch_module._global_forward_hooks
+        if self.handle.id not in hooks:  # removed by someone else: registered again
+            self.handle = _torch_module.register_module_forward_hook(self)
+        if next(iter(hooks)) != self.handle.id:
+            hooks.move_to_end(self.handle.id, last=False)
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+    def __call__(self, module: nn.Module, args, output) -> None:
+        gsm = self._gsm()
+        if gsm is None or not _foreign_global_forward_hooks():
+            # its module is gone, or nothing is left to watch (the capture hook checks only
+            # while another global hook is registered; a forward pass installs it again)
+            self.handle.remove()
+            if gsm is not None and gsm._witness is self:
+                gsm._remove_witness()
+            return
+        gsm._witness_output(module, output)
+
+
+def _is_capture_tensor_hook(hook) -> bool:
+    """Whether a tensor hook is a GradSampleModule's capture hook (it returns ``None``)."""
+    return isinstance(hook, partial) and (
+        getattr(hook.func, "__func__", None) is GradSampleModule._last_tensor_hook
+    )
+
+
+def _last_of_their_tensors(handles: list) -> None:
+    """Moves the tensor hooks ``handles`` after every other hook of their tensors (removed and
+    inserted again: autograd calls a tensor's hooks in the order of its dict's storage, which
+    ``OrderedDict.move_to_end`` does not change)."""
+    for handle in handles:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and len(hooks) > 1 and handle.id in hooks:
+            hooks[handle.id] = hooks.pop(handle.id)
+
+
+def _runs_before_capture(hook) -> bool:
+    """Whether a layer's forward hook stays before the capture hook: FSDP2's (``fully_shard``),
+    which reshards the parameters and registers on the output the tensor hook that gathers them
+    again for the layer's backward (it must run before the capture hook's, registered after
+    it); it leaves the output's values unchanged (at most casts it to ``output_dtype``)."""
+    while isinstance(hook, partial):
+        hook = hook.func
+    return (getattr(hook, "__module__", None) or "").startswith("torch.distributed.fsdp")
+
+
+def _capture_hook_first(hooks: Mapping, hook_id: int | None) -> bool:
+    """Whether the hooks of :func:`_runs_before_capture`, and only those, precede ``hook_id``
+    in ``hooks``."""
+    seen = False
+    for key, hook in hooks.items():
+        if key == hook_id:
+            seen = True
+        elif _runs_before_capture(hook) == seen:  # an FSDP hook after it, or another before it
+            return False
+    return seen
+
+
+def _place_capture_hook(handle) -> None:
+    """Puts the capture hook ``handle`` first among its layer's forward hooks, after those of
+    :func:`_runs_before_capture` only."""
+    hooks = handle.hooks_dict_ref()
+    if not hooks or handle.id not in hooks or _capture_hook_first(hooks, handle.id):
+        return
+    early = [key for key, hook in hooks.items() if _runs_before_capture(hook)]
+    hooks.move_to_end(handle.id, last=False)
+    for key in reversed(early):
+        hooks.move_to_end(key, last=False)
+
+
+def _foreign_global_forward_hooks() -> bool:
+    """Whether a global forward hook other than a GradSampleModule's :class:`_OutputWitness` is
+    registered (``torch.nn.modules.module.register_module_forward_hook``)."""
+    hooks = getattr(_torch_module, "_global_forward_hooks", None)
+    return bool(hooks) and any(not isinstance(h, _OutputWitness) for h in hooks.values())
 
 
 def _first_tensor(x):

@@ -39,7 +39,7 @@ from ..clipping import ClippingContract
 from .grad_sample_module import GradSampleModule
 from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
 from .norm_samplers import Factors, factor_inner, sq_norms
-from .registry import derived, rule_for
+from .registry import derived, replaced_forward, rule_for
 from .step_record import PassRecord, grad_state
 
 logger = logging.getLogger(__name__)
@@ -282,7 +282,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 continue
             seen_modules.add(id(m))
             rule = rule_for(m)
-            if rule is None or derived(rule, "factors") is None or rule.norm_sq is None:
+            if (rule is None or derived(rule, "factors") is None or rule.norm_sq is None
+                    or replaced_forward(m)):
                 return False
             for p in self.sampled_params(m):
                 n = self._call_counts.get(id(p), 0)
@@ -304,6 +305,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
             and self.use_ghost_clipping
             and not self.force_functorch
             and getattr(rule_for(module), "norm_sq", None) is not None
+            and not replaced_forward(module)
             and (self._single_call(module) or self._factorable(module))
         )
 

@@ -187,9 +187,10 @@ def generic_clipped_sum(
     batch_first: bool = True,
     params: Sequence[tuple[str, nn.Parameter]] | None = None,
 ) -> ParamDict:
-    """``Σ_b grad_b`` of any layer: recomputes its forward on the captured inputs and takes one
-    vector-Jacobian product with ``backprops`` (batch-first; moved back for ``batch_first=False``),
-    w.r.t. the layer's own trainable parameters (or the named ``params`` it samples).
+    """``Σ_b grad_b`` of any layer: recomputes its ``forward`` (not its own hooks) on the
+    captured inputs and takes one vector-Jacobian product with ``backprops`` (batch-first; moved
+    back for ``batch_first=False``), w.r.t. the layer's own trainable parameters (or the named
+    ``params`` it samples).
     """
     if params is None:
         params = unit_parameters(layer)
@@ -201,7 +202,9 @@ def generic_clipped_sum(
         args = [a.movedim(0, 1) if isinstance(a, torch.Tensor) and a.dim() > 1 else a for a in args]
         backprops = backprops.movedim(0, 1)
     with torch.enable_grad():
-        out = layer(*args, **(kwargs or {}))
+        # ``forward`` only: the captured inputs went through the layer's forward pre-hooks, and
+        # ``backprops`` is the gradient of the output of ``forward``, before its forward hooks
+        out = layer.forward(*args, **(kwargs or {}))
         if isinstance(out, (tuple, list)):
             out = out[0]
         grads = torch.autograd.grad(out, params, backprops, allow_unused=True)

@@ -3,7 +3,7 @@ second backward pass takes no gradient from a use of a parameter outside the tra
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -11,12 +11,14 @@ __all__ = ["is_sanctioned", "next_sequence_nr", "param_consumers", "sanction"]
 
 
 def param_consumers(
-    roots: Iterable[torch.Tensor], param_ids: set[int], floor: int | None = None
+    roots: Iterable[torch.Tensor], param_ids: set[int], floor: int | None = None,
+    flagged: Callable[[object], bool] | None = None, found: list | None = None,
 ) -> set:
     """The autograd nodes reachable from the ``grad_fn`` of ``roots`` that have an edge into the
     ``AccumulateGrad`` node of a parameter whose ``id`` is in ``param_ids``: the operations
     through which that parameter receives a gradient. With ``floor``, only nodes created at or
-    after that sequence number (:func:`next_sequence_nr`) are visited."""
+    after that sequence number (:func:`next_sequence_nr`) are visited. With ``flagged``, the
+    visited nodes for which it returns true are appended to ``found`` (same walk)."""
     stack = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set = set()
     out: set = set()
@@ -27,6 +29,8 @@ def param_consumers(
         seen.add(node)
         if floor is not None and node._sequence_nr() < floor:
             continue
+        if flagged is not None and flagged(node):
+            found.append(node)
         for nxt, _ in node.next_functions:
             if nxt is None:
                 continue

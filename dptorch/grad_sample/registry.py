@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -173,10 +174,27 @@ def prefer_ghost(layer: nn.Module, activations: Sequence, backprops: torch.Tenso
     return bool(rule and rule.prefer_ghost and rule.prefer_ghost(layer, activations, backprops))
 
 
+def replaced_forward(layer: nn.Module) -> bool:
+    """Whether ``layer``'s ``forward`` was replaced on the instance by someone other than dptorch
+    (accelerate's ``add_hook_to_module``, an assignment ``layer.forward = ...``). A rule's
+    formulas describe the class's ``forward``, which the replacement may change (rescale the
+    output): the layer is then handled as one without a rule (``torch.func`` recomputes the
+    replacement itself)."""
+    fn = layer.__dict__.get("forward")
+    if fn is None:
+        return False
+    while isinstance(fn, partial):
+        fn = fn.func
+    return not (getattr(fn, "__module__", None) or "").startswith("dptorch.")
+
+
 def input_grad_only_forward(layer: nn.Module) -> Callable[..., torch.Tensor] | None:
     """The rule's forward without weight gradients for ``layer``: that of its own type or of the
     nearest base class with a rule, if ``layer`` keeps that class's ``forward`` (a subclass of
-    ``nn.Linear`` that does not override ``forward`` computes a Linear's gradients)."""
+    ``nn.Linear`` that does not override ``forward`` computes a Linear's gradients; nor does a
+    layer whose ``forward`` was replaced on the instance, :func:`replaced_forward`)."""
+    if replaced_forward(layer):
+        return None
     for base in type(layer).__mro__:
         rule = rule_for_type(base)
         if rule is not None and rule.input_grad_only is not None:
