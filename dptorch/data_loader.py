@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch.utils.data import (
     Sampler,
     SequentialSampler,
     SubsetRandomSampler,
+    WeightedRandomSampler,
 )
 from torch.utils.data._utils.collate import default_collate
 
@@ -51,6 +52,9 @@ __all__ = [
     "expected_batch_size",
     "prepare_data_loader",
     "steps_per_pass",
+    "uses_each_record_once",
+    "check_fixed_size_loader",
+    "DistinctIndicesBatchSampler",
     "rebuilt_loader_kwargs",
 ]
 
@@ -399,10 +403,12 @@ def records_in_loader(
     ``q · N``, the δ < 1/N check).
 
     With ``poisson_sampling`` a sampler that Poisson sampling cannot reproduce raises
-    ``ValueError`` (see :func:`poisson_sampling_indices`)."""
+    ``ValueError`` (see :func:`poisson_sampling_indices`); without, a loader whose batches the
+    accounting cannot charge does (see :func:`check_fixed_size_loader`)."""
     if poisson_sampling:
         indices = poisson_sampling_indices(data_loader, distributed=distributed)
         return len(data_loader.dataset) if indices is None else len(indices)  # type: ignore[arg-type]
+    check_fixed_size_loader(data_loader, distributed=distributed)
     sampler = loader_sampler(data_loader)
     if isinstance(sampler, SubsetRandomSampler):
         return len(sampler.indices)
@@ -412,29 +418,136 @@ def records_in_loader(
 def steps_per_pass(data_loader: DataLoader, poisson_sampling: bool = False) -> int | None:
     """``None`` with ``poisson_sampling`` (the accountant then charges Poisson-sampled steps).
     For a loader kept as it is (``poisson_sampling=False``): ``len(data_loader)`` when each
-    pass over it provably uses every record at most once (torch's ``BatchSampler`` over a
-    ``SequentialSampler``, a ``RandomSampler`` without replacement drawing at most ``N``, a
-    ``SubsetRandomSampler`` of distinct indices, or a ``DistributedSampler`` that pads nothing),
-    else 1 (any step may use any record). The accountant charges one Gaussian per pass."""
+    pass over it provably uses every record at most once (:func:`uses_each_record_once`),
+    else 1 (any step may use any record; the loader ``make_private`` returns then refuses a
+    batch that holds a record twice, see :class:`DistinctIndicesBatchSampler`). The accountant
+    charges one Gaussian per pass."""
     if poisson_sampling:
         return None
+    return max(1, len(data_loader)) if uses_each_record_once(data_loader) else 1
+
+
+def uses_each_record_once(data_loader: DataLoader) -> bool:
+    """Whether each pass over ``data_loader`` provably uses every record at most once: torch's
+    ``BatchSampler`` over a ``SequentialSampler``, a ``RandomSampler`` without replacement
+    drawing at most ``N``, a ``SubsetRandomSampler`` of distinct indices, or a
+    ``DistributedSampler`` that pads nothing. Exact types only: a subclass may draw otherwise
+    (repeat records), as may any other sampler."""
     if isinstance(getattr(data_loader, "dataset", None), IterableDataset):
-        return 1
+        return False
     if type(data_loader.batch_sampler) is not BatchSampler:
-        return 1
+        return False
     sampler = loader_sampler(data_loader)
-    once = False
-    if isinstance(sampler, SequentialSampler):
-        once = True
-    elif isinstance(sampler, RandomSampler):
-        once = not sampler.replacement and sampler.num_samples <= len(sampler.data_source)
-    elif isinstance(sampler, SubsetRandomSampler):
+    kind = type(sampler)
+    if kind is SequentialSampler:
+        return True
+    if kind is RandomSampler:
+        return not sampler.replacement and sampler.num_samples <= len(sampler.data_source)
+    if kind is SubsetRandomSampler:
         idx = [int(i) for i in sampler.indices]
-        once = len(set(idx)) == len(idx)
-    elif isinstance(sampler, DistributedSampler):
-        n = len(sampler.dataset)  # type: ignore[arg-type]
-        once = sampler.total_size <= n
-    return max(1, len(data_loader)) if once else 1
+        return len(set(idx)) == len(idx)
+    if kind is DistributedSampler:
+        return sampler.total_size <= len(sampler.dataset)  # type: ignore[arg-type]
+    return False
+
+
+_FIXED_SIZE_FIX = (
+    "Fix: poisson_sampling=True (dptorch draws Poisson batches from the records this loader "
+    "draws from), or a sampler that draws without replacement (shuffle=True, "
+    "RandomSampler(replacement=False), WeightedRandomSampler(..., replacement=False), "
+    "SubsetRandomSampler of distinct indices)."
+)
+
+
+def check_fixed_size_loader(data_loader: DataLoader, *, distributed: bool = False) -> None:
+    """Raises ``ValueError`` unless the accounting of ``poisson_sampling=False`` can charge
+    ``data_loader``'s batches: each release is charged as one Gaussian in which a record
+    contributes at most one clipped gradient (per pass of ``len(data_loader)`` steps for the
+    samplers of :func:`uses_each_record_once`, per step otherwise). Refused: a sampler that
+    draws with replacement (``WeightedRandomSampler`` or ``RandomSampler`` with
+    ``replacement=True``: a record drawn ``k`` times into one batch is clipped ``k`` times and
+    moves the sum by ``k·C``), an ``IterableDataset`` (no indices: nothing to check), and, in
+    distributed training, anything but a ``DistributedSampler`` that gives each rank a disjoint
+    shard (else one record can be in several ranks' batches of one release). Batches of other
+    samplers are checked as they are drawn (:class:`DistinctIndicesBatchSampler`)."""
+    if isinstance(data_loader.dataset, IterableDataset):
+        raise ValueError(
+            f"poisson_sampling=False with an IterableDataset ({type(data_loader.dataset).__name__}): "
+            "the dataset, not a sampler, decides which records each batch holds, so dptorch "
+            "cannot check that a batch holds each record at most once, which the accounting "
+            "assumes (every step is charged as one Gaussian of sensitivity max_grad_norm). "
+            "Fix: a map-style dataset (len and indexing), with poisson_sampling=True or a "
+            "sampler without replacement."
+        )
+    sampler = loader_sampler(data_loader)
+    if isinstance(sampler, (RandomSampler, WeightedRandomSampler)) and getattr(
+        sampler, "replacement", False
+    ):
+        raise ValueError(
+            f"poisson_sampling=False with a {type(sampler).__name__}(replacement=True): it "
+            "draws records with replacement, so one batch can hold a record several times. Each "
+            "copy is clipped on its own and a record drawn k times moves the summed gradient by "
+            "k·max_grad_norm, while the accounting charges every step as one Gaussian in which "
+            "a record contributes at most max_grad_norm: epsilon would be under-reported. "
+            + _FIXED_SIZE_FIX
+        )
+    if distributed:
+        world = _world_size()
+        if not (
+            type(data_loader.batch_sampler) is BatchSampler
+            and type(sampler) is DistributedSampler
+            and sampler.num_replicas == world
+            and sampler.total_size <= len(sampler.dataset)  # type: ignore[arg-type]
+        ):
+            raise ValueError(
+                "poisson_sampling=False in distributed training needs each rank's data loader "
+                "to draw a disjoint shard of the data: a DistributedSampler(dataset, "
+                f"num_replicas={world}) (drop_last=True, or a dataset size divisible by the "
+                f"world size, so that it pads no record into two shards); got a "
+                f"{type(sampler).__name__}. A release sums the ranks' batches, so a record in "
+                "several ranks' batches moves it by several clipped gradients while the "
+                "accounting charges one. Or use poisson_sampling=True (dptorch gives each rank "
+                "its share of one Poisson batch)."
+            )
+
+
+class DistinctIndicesBatchSampler(Sampler[list[int]]):
+    """The batches of ``batch_sampler``, each checked to hold every dataset index at most once
+    (``ValueError`` otherwise, naming the index): what the ``poisson_sampling=False`` accounting
+    assumes of a sampler it cannot identify. Other attributes are the wrapped sampler's (read
+    and written through), so generator switching and checkpoints see its generators."""
+
+    def __init__(self, batch_sampler: Sampler) -> None:
+        object.__setattr__(self, "batch_sampler", batch_sampler)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.batch_sampler:
+            keys = batch.tolist() if hasattr(batch, "tolist") else [
+                i.item() if isinstance(i, torch.Tensor) else i for i in batch]
+            if len(set(keys)) != len(keys):
+                seen: set = set()
+                twice = next(i for i in keys if i in seen or seen.add(i))
+                raise ValueError(
+                    f"poisson_sampling=False: the data loader's sampler put dataset index {twice!r} "
+                    f"into one batch {keys.count(twice)} times ({type(self.batch_sampler).__name__} "
+                    f"over {type(getattr(self.batch_sampler, 'sampler', None)).__name__}, which "
+                    "dptorch cannot prove draws each record at most once). The accounting charges "
+                    "every step as one Gaussian in which a record contributes at most one clipped "
+                    "gradient; a record drawn k times moves the sum by k·max_grad_norm, so epsilon "
+                    "would be under-reported. " + _FIXED_SIZE_FIX
+                )
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "batch_sampler" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.batch_sampler, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.batch_sampler, name, value)
 
 
 def expected_batch_size(num_records: int, sample_rate: float, distributed: bool = False) -> float:
@@ -456,7 +569,10 @@ def prepare_data_loader(
     """The loader ``make_private`` trains with: a Poisson-sampling :class:`DPDataLoader` over the
     records ``data_loader`` draws from, or, with ``poisson_sampling=False``, ``data_loader``
     itself with a warning (the accounting assumes Poisson sampling); in ``secure_mode`` its
-    shuffling is then reseeded from the OS CSPRNG."""
+    shuffling is then reseeded from the OS CSPRNG. A sampler that is not known to use each
+    record at most once per pass (:func:`uses_each_record_once`) gives instead a DataLoader
+    with the same dataset, collate function, generator and worker settings whose batch sampler
+    refuses a batch holding a record twice (:class:`DistinctIndicesBatchSampler`)."""
     if poisson_sampling:
         return DPDataLoader.from_data_loader(
             data_loader, distributed=distributed, batch_first=batch_first, secure_mode=secure_mode
@@ -477,7 +593,17 @@ def prepare_data_loader(
             switch_generator(data_loader=data_loader, generator=gen)
         except ValueError:
             logger.info("secure_mode: the data loader draws no random numbers to secure.")
-    return data_loader
+    if uses_each_record_once(data_loader):
+        return data_loader
+    # a sampler dptorch cannot identify: every batch is checked as it is drawn
+    carried = {k: getattr(data_loader, k) for k in _CARRIED_KWARGS if hasattr(data_loader, k)}
+    return DataLoader(
+        data_loader.dataset,
+        batch_sampler=DistinctIndicesBatchSampler(data_loader.batch_sampler),
+        collate_fn=data_loader.collate_fn,
+        generator=data_loader.generator,
+        **carried,
+    )
 
 
 def _check_subset(

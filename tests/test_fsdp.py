@@ -220,13 +220,17 @@ def _refusals(rank: int) -> dict:
 
 
 def _make_private(rank: int) -> dict:
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from dptorch import PrivacyEngine
 
     model = shard(make_model("mlp"), "mlp")
     x, y = make_data("mlp")
-    loader = DataLoader(TensorDataset(x, y), batch_size=B)
+    # poisson_sampling=False in distributed training: each rank a disjoint shard (the release
+    # sums the ranks' batches; the same records on both ranks would count twice)
+    ds = TensorDataset(x, y)
+    loader = DataLoader(ds, batch_size=B_LOCAL,
+                        sampler=DistributedSampler(ds, num_replicas=WORLD, rank=rank, shuffle=False))
     engine = PrivacyEngine(accountant="rdp")
     gsm, opt, crit, dl = engine.make_private(
         module=model,

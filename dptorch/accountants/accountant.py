@@ -3,9 +3,10 @@
 An accountant holds the privacy events it was given (:meth:`IAccountant.compose`; one per
 optimizer step from the engine's hook) and turns them into ε, δ, trade-off curves or μ. It knows
 nothing of training. The Opacus API stays: ``history`` is the list of
-``(noise_multiplier, sample_rate, num_steps)`` tuples of the events (assignable: the tuples
-become Poisson-sampled Gaussian events), ``step(noise_multiplier=, sample_rate=)`` composes one
-such event, and ``state_dict`` / ``load_state_dict`` carry the events (and the history).
+``(noise_multiplier, sample_rate, num_steps)`` tuples of the events (assignable: plain tuples
+become Poisson-sampled Gaussian events, the :class:`FixedSizeHistoryRow` rows of fixed-size
+batches become those again), ``step(noise_multiplier=, sample_rate=)`` composes one such event,
+and ``state_dict`` / ``load_state_dict`` carry the events (and the history).
 """
 
 from __future__ import annotations
@@ -121,27 +122,46 @@ class IAccountant(abc.ABC):
         """``(noise_multiplier, sample_rate, num_steps)`` per run of equal steps: the effective
         noise multiplier σ/sensitivity of each Gaussian, its sampling rate (1 for an unsampled
         Gaussian, the nominal ``1/len(data_loader)`` for a fixed-size batch), and the number of
-        steps. No-op events are left out; σ = 0 stands for a non-private event."""
+        steps. No-op events are left out; σ = 0 stands for a non-private event.
+
+        The rows of fixed-size-batch steps (``poisson_sampling=False``) are
+        :class:`FixedSizeHistoryRow`: they unpack and compare as the 3-tuple, and carry the pass
+        length and where passes start, so that assigning the history back (the Opacus idiom
+        ``acc2.history = acc.history``) restores those steps exactly, not as Poisson steps."""
         out: list[tuple[float, float, int]] = []
+        prev_m = None  # steps_per_epoch of the previous leaf if it was a fixed-size step
         for event, n in flatten(self.events):
+            m, prev_m = prev_m, getattr(event, "steps_per_epoch", None)
             if isinstance(event, NoOpEvent):
+                continue
+            if isinstance(event, FixedSizeBatchEvent):
+                sigma = _gaussian_sigma(event.event)
+                if sigma is None or math.isinf(sigma):
+                    raise ValueError(f"{event!r} has no (sigma, q) form; use .events instead.")
+                row = FixedSizeHistoryRow(sigma, event.sample_rate, n, event.steps_per_epoch,
+                                          new_pass=m != event.steps_per_epoch)
+                last = out[-1] if out else None
+                if (isinstance(last, FixedSizeHistoryRow) and not row.new_pass
+                        and last[:2] == row[:2] and last.steps_per_epoch == row.steps_per_epoch):
+                    out[-1] = FixedSizeHistoryRow(*last[:2], last[2] + n, last.steps_per_epoch,
+                                                  new_pass=last.new_pass)
+                else:
+                    out.append(row)
                 continue
             if isinstance(event, NonPrivateEvent):
                 row = (0.0, 1.0)
             elif isinstance(event, GaussianEvent):
                 row = (event.effective_noise_multiplier, 1.0)
-            elif isinstance(event, (PoissonSampledEvent, FixedSizeBatchEvent)):
+            elif isinstance(event, PoissonSampledEvent):
                 sigma = _gaussian_sigma(event.event)
                 if sigma is None:
                     raise ValueError(f"{event!r} has no (sigma, q) form; use .events instead.")
                 if math.isinf(sigma):  # releases nothing
                     continue
-                q = (event.sampling_probability if isinstance(event, PoissonSampledEvent)
-                     else event.sample_rate)
-                row = (sigma, q)
+                row = (sigma, event.sampling_probability)
             else:
                 raise ValueError(f"{event!r} has no (sigma, q) form; use .events instead.")
-            if out and out[-1][:2] == row:
+            if out and not isinstance(out[-1], FixedSizeHistoryRow) and out[-1][:2] == row:
                 out[-1] = (*row, out[-1][2] + n)
             else:
                 out.append((*row, n))
@@ -149,14 +169,23 @@ class IAccountant(abc.ABC):
 
     @history.setter
     def history(self, history: Sequence[tuple[float, float, int]]) -> None:
+        """Replaces the events: a plain ``(σ, q, n)`` row (Opacus) is ``n`` Poisson-sampled
+        Gaussian steps; a :class:`FixedSizeHistoryRow`, or its plain form ``(σ, q, n,
+        {"fixed_size_batches": m, "new_pass": b})`` (``state_dict()``), is ``n`` fixed-size-batch
+        steps with passes of ``m`` steps. Anything else raises ``ValueError``."""
         events: list[tuple[PrivacyEvent, int]] = []
         for row in history:
-            sigma, q, n = row
-            _check_step(float(sigma), float(q))
-            n = int(n)
+            sigma, q, n, fixed = _history_row(row)
+            _check_step(sigma, q)
             if n < 0:
                 raise ValueError(f"num_steps must be >= 0, got {n}.")
-            events.append((dpsgd_event(float(sigma), float(q)), n))
+            if fixed is None:
+                events.append((dpsgd_event(sigma, q), n))
+                continue
+            m, new_pass = fixed
+            if new_pass and n:
+                events.append((NoOpEvent(), 1))  # ends the previous run: a new pass starts
+            events.append((FixedSizeBatchEvent(GaussianEvent(sigma), m, q), n))
         self._events = []
         for e, n in events:
             self.compose(e, n)
@@ -233,39 +262,54 @@ class IAccountant(abc.ABC):
     ) -> Callable[[Any], None]:
         """A ``DPOptimizer`` step hook composing the event of each optimizer step.
 
-        The event is ``optim.privacy_event(sample_rate, steps_per_epoch)`` (a Poisson-sampled
-        Gaussian at rate ``sample_rate · optim.accumulated_iterations``: a logical batch built
-        from several Poisson batches is charged as one step at the summed rate). With
-        ``steps_per_epoch`` (fixed-size batches, ``poisson_sampling=False``) it is a
-        :class:`~.events.FixedSizeBatchEvent`, and the hook's first step starts a new pass
-        (a :class:`~.events.NoOpEvent` ends any earlier run).
+        The event is ``optim.privacy_event(sample_rate, steps_per_epoch)``: a Poisson-sampled
+        Gaussian at rate ``sample_rate`` for a release of one Poisson batch (the physical
+        batches of BatchMemoryManager or DPTrainer are parts of one). A release that sums
+        several independently drawn Poisson batches (gradient accumulation) raises
+        ``ValueError``: a record's multiplicity in the sum is Binomial(k, q), which one
+        Poisson-sampled step of sensitivity 1 does not bound (at rate ``k·q`` or any other).
+        With ``steps_per_epoch``
+        (fixed-size batches, ``poisson_sampling=False``) it is a
+        :class:`~.events.FixedSizeBatchEvent` (``k`` accumulated batches: passes of
+        ``steps_per_epoch // k`` releases), and the hook's first step starts a new pass (a
+        :class:`~.events.NoOpEvent` ends any earlier run). See :func:`release_event`.
+
+        The hook's ``check_release(optim)`` raises that ``ValueError`` without composing
+        anything; ``DPOptimizer`` calls it before the noise is drawn.
         """
         started = False
 
-        def hook_fn(optim: Any) -> None:
-            nonlocal started
+        def event_of(optim: Any) -> PrivacyEvent:
             make = getattr(optim, "privacy_event", None)
             if callable(make):
-                event = make(sample_rate, steps_per_epoch)
-            else:  # an optimizer-like object without events
-                event = dpsgd_event(optim.noise_multiplier, sample_rate * optim.accumulated_iterations)
-                if steps_per_epoch is not None:
-                    event = FixedSizeBatchEvent(event.event, steps_per_epoch, event.sampling_probability)
+                return make(sample_rate, steps_per_epoch)
+            # an optimizer-like object without events
+            return release_event(GaussianEvent(optim.noise_multiplier), sample_rate,
+                                 batches=optim.accumulated_iterations,
+                                 steps_per_epoch=steps_per_epoch)
+
+        def hook_fn(optim: Any) -> None:
+            nonlocal started
+            event = event_of(optim)
             if steps_per_epoch is not None and not started:
                 self.compose(NoOpEvent())
             started = True
             self.compose(event)
 
+        hook_fn.check_release = event_of  # type: ignore[attr-defined]
         return hook_fn
 
     # ------------------------------------------------------------------ state
     def state_dict(self, destination: T_state_dict | None = None) -> T_state_dict:
         """The accountant state into ``destination`` if given: ``events`` (plain dicts with
         counts), ``neighboring_relation``, ``mechanism`` and the ``history`` view (for
-        Opacus-style readers)."""
+        Opacus-style readers; a fixed-size-batch row in its plain 4-tuple form, see
+        :class:`FixedSizeHistoryRow`). Only built-in types: ``torch.load(weights_only=True)``
+        reads it."""
         if destination is None:
             destination = OrderedDict()  # type: ignore[assignment]
-        destination["history"] = self.history  # type: ignore[index]
+        destination["history"] = [  # type: ignore[index]
+            r.plain() if isinstance(r, FixedSizeHistoryRow) else r for r in self.history]
         destination["mechanism"] = self.mechanism()  # type: ignore[index]
         destination["events"] = [[event_to_dict(e), n] for e, n in self._events]  # type: ignore[index]
         destination["neighboring_relation"] = self.neighboring_relation  # type: ignore[index]
@@ -291,7 +335,8 @@ class IAccountant(abc.ABC):
 
     def load_state_dict(self, state_dict: T_state_dict) -> None:
         """Restores a state produced by :meth:`state_dict` of the same mechanism (events when
-        present, else the Opacus ``history``)."""
+        present, else the ``history``: Opacus rows are Poisson steps, fixed-size-batch rows
+        stay fixed-size; see the :attr:`history` setter)."""
         self.check_state_dict(state_dict)
         if "neighboring_relation" in state_dict:
             self.neighboring_relation = check_relation(state_dict["neighboring_relation"])
@@ -309,8 +354,8 @@ class IAccountant(abc.ABC):
             self._events = []
             for d, n in state_dict["events"]:
                 self.compose(event_from_dict(d), int(n))
-        else:
-            self.history = [(float(s), float(q), int(n)) for s, q, n in state_dict["history"]]
+        else:  # the setter keeps fixed-size rows fixed-size (plain 3-tuples are Poisson)
+            self.history = state_dict["history"]
 
 
 def _with_truncation(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
@@ -357,3 +402,126 @@ def _check_step(noise_multiplier: float, sample_rate: float) -> None:
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}.")
     if not 0.0 <= sample_rate <= 1.0:
         raise ValueError(f"sample_rate must lie in [0, 1], got {sample_rate}.")
+
+
+#: key of the marker dict that ends the plain form of a :class:`FixedSizeHistoryRow`
+FIXED_SIZE_KEY = "fixed_size_batches"
+
+
+class FixedSizeHistoryRow(tuple):
+    """A row ``(noise_multiplier, sample_rate, num_steps)`` of :attr:`IAccountant.history` for
+    fixed-size-batch steps (``poisson_sampling=False``, :class:`~.events.FixedSizeBatchEvent`).
+
+    It unpacks, indexes and compares as that 3-tuple (Opacus code reading the history keeps
+    working) and carries what the accountant needs to charge the steps again exactly:
+    ``steps_per_epoch`` (the pass length) and ``new_pass`` (whether the row's first step starts
+    a pass, rather than continuing the previous row's). Assigned to ``history`` it gives
+    fixed-size-batch events, never Poisson-sampled ones, which would under-report ε.
+    :meth:`plain` is its form with built-in types only, ``(σ, q, n, {"fixed_size_batches": m,
+    "new_pass": b})``, kept by ``state_dict()`` (``torch.load(weights_only=True)`` reads it) and
+    read back by the ``history`` setter."""
+
+    steps_per_epoch: int
+    new_pass: bool
+
+    def __new__(cls, noise_multiplier: float, sample_rate: float, num_steps: int,
+                steps_per_epoch: int, new_pass: bool = True) -> FixedSizeHistoryRow:
+        row = super().__new__(cls, (float(noise_multiplier), float(sample_rate), int(num_steps)))
+        row.steps_per_epoch = int(steps_per_epoch)
+        row.new_pass = bool(new_pass)
+        return row
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (*self, self.steps_per_epoch, self.new_pass))
+
+    def plain(self) -> tuple:
+        """``(σ, q, n, {"fixed_size_batches": steps_per_epoch, "new_pass": new_pass})``."""
+        return (*self, {FIXED_SIZE_KEY: self.steps_per_epoch, "new_pass": self.new_pass})
+
+    def __repr__(self) -> str:
+        return (f"FixedSizeHistoryRow({self[0]!r}, {self[1]!r}, {self[2]!r}, "
+                f"steps_per_epoch={self.steps_per_epoch}, new_pass={self.new_pass})")
+
+
+def _history_row(row: Any) -> tuple[float, float, int, tuple[int, bool] | None]:
+    """``(σ, q, n, (steps_per_epoch, new_pass) or None)`` of a history row (``None``: a plain
+    Opacus row, Poisson-sampled steps)."""
+    if isinstance(row, FixedSizeHistoryRow):
+        return row[0], row[1], row[2], (row.steps_per_epoch, row.new_pass)
+    try:
+        items = tuple(row)
+    except TypeError:
+        items = ()
+    marker = items[3] if len(items) == 4 else None
+    if len(items) == 3 or (isinstance(marker, Mapping) and FIXED_SIZE_KEY in marker):
+        try:
+            sigma, q, n = float(items[0]), float(items[1]), int(items[2])
+        except (TypeError, ValueError):
+            pass
+        else:
+            if marker is None:
+                return sigma, q, n, None
+            m = marker[FIXED_SIZE_KEY]
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise ValueError(f"steps_per_epoch of history row {row!r} must be an integer >= 1.")
+            return sigma, q, n, (m, bool(marker.get("new_pass", True)))
+    raise ValueError(
+        f"A history row is (noise_multiplier, sample_rate, num_steps) (Poisson-sampled steps, "
+        f"as in Opacus) or a FixedSizeHistoryRow / its plain form (noise_multiplier, "
+        f"sample_rate, num_steps, {{{FIXED_SIZE_KEY!r}: steps_per_epoch, 'new_pass': bool}}) "
+        f"(fixed-size batches); got {row!r}. Pass rows of accountant.history or "
+        "accountant.state_dict()['history']."
+    )
+
+
+def release_event(gaussian: PrivacyEvent, sample_rate: float, *, batches: int = 1,
+                  steps_per_epoch: int | None = None) -> PrivacyEvent:
+    """The event of one optimizer release of ``gaussian`` on the clipped sum of ``batches``
+    batches drawn by the data loader.
+
+    * Poisson batches (``steps_per_epoch`` ``None``): ``PoissonSampledEvent(sample_rate,
+      gaussian)`` for one batch. Several batches raise ``ValueError``: they are independent
+      Poisson draws, so a record is in ``Binomial(k, q)`` of them and moves the sum by up to
+      ``k`` clipped units, which one Poisson-sampled step of sensitivity 1 does not bound (at
+      rate ``k·q`` ε is under-reported: 17.9 for 25.4 at q = 1/2, k = 2, σ = 1, 10 releases).
+    * fixed-size batches: ``FixedSizeBatchEvent(gaussian, steps_per_epoch // batches,
+      min(batches · sample_rate, 1))`` (a pass of ``steps_per_epoch`` batches is
+      ``steps_per_epoch // batches`` releases). ``steps_per_epoch = 1`` (a loader not known to
+      use each record at most once per pass, or a pass of one batch) charges each release as
+      one Gaussian in which a record appears at most once, which several batches do not
+      ensure: ``ValueError``.
+    """
+    if batches <= 1:
+        if steps_per_epoch is None:
+            return PoissonSampledEvent(sample_rate, gaussian)
+        return FixedSizeBatchEvent(gaussian, steps_per_epoch, sample_rate)
+    if steps_per_epoch is None:
+        raise ValueError(
+            f"This optimizer step would release the sum of {batches} Poisson batches (gradient "
+            "accumulation: several backward passes, or signal_skip_step across the data "
+            "loader's batches, after allow_grad_accumulation()). Each is an independent Poisson "
+            f"draw, so a record can be in several of them (Binomial({batches}, q) times) and "
+            "move the sum by several clipped gradients, which one Poisson-sampled step of one "
+            f"clipped gradient's sensitivity does not bound (charged as one step at rate "
+            f"{batches}·q, epsilon would be under-reported), so it is not "
+            "released. Fix: draw one Poisson batch of the combined expected size (a data loader "
+            f"with a {batches} times larger batch_size, i.e. sample rate {batches}·q) and bound "
+            "memory with dptorch.utils.batch_memory_manager.BatchMemoryManager("
+            "max_physical_batch_size=...), which splits that one batch into physical batches; or "
+            "use fixed-size batches (poisson_sampling=False), whose accumulation is charged "
+            "per pass."
+        )
+    if steps_per_epoch == 1:
+        raise ValueError(
+            f"This optimizer step would release the sum of {batches} fixed-size batches "
+            "(poisson_sampling=False) of a data loader whose passes are not known to use each "
+            "record at most once in several batches (a sampler dptorch cannot identify, or a "
+            "pass of one batch): every release is charged as one Gaussian in which a record "
+            "appears at most once, which the summed batches do not ensure, so it is not "
+            "released. Fix: step after every batch (BatchMemoryManager bounds memory for large "
+            "batches), use a sampler dptorch understands (shuffle=True, SequentialSampler, "
+            "RandomSampler without replacement, SubsetRandomSampler) over several batches per "
+            "pass, or poisson_sampling=True with one Poisson batch per step."
+        )
+    return FixedSizeBatchEvent(gaussian, max(1, steps_per_epoch // batches),
+                               min(sample_rate * batches, 1.0))

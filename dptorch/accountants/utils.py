@@ -310,7 +310,9 @@ def engine_epsilon(accountant: IAccountant, delta: float) -> float:
                  "restarted without a checkpoint is not seen)")
     else:
         usage = ("the data loader's sampler is not known to use each record at most once per "
-                 "pass, so every step is charged as if it used every record (at most once)")
+                 "pass, so every step is charged as if it used every record, each at most once "
+                 "(the loader make_private returned refuses a batch that holds a record twice, "
+                 "and the optimizer a release of several batches)")
     warnings.warn(
         f"poisson_sampling=False: epsilon = {eps:.4g} at delta = {delta:g} is a proven bound "
         "under the replace-one relation (the data set size is public; neighbours differ in one "

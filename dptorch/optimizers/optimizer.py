@@ -23,12 +23,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ..accountants.events import (
-    FixedSizeBatchEvent,
-    GaussianEvent,
-    PoissonSampledEvent,
-    PrivacyEvent,
-)
+from ..accountants.accountant import release_event
+from ..accountants.events import GaussianEvent, PrivacyEvent
 from ..clipping import ClippingContract
 from ..grad_sample.gsm_base import _check_loss_reduction, clear_grad_sample
 from ..grad_sample.step_record import StepRecord, records_for, records_version
@@ -518,7 +514,9 @@ class DPOptimizer(_MultiPassDispatch):
         self.grad_accumulation_allowed = False
 
     def allow_grad_accumulation(self) -> None:
-        """Undoes :meth:`forbid_grad_accumulation`."""
+        """Undoes :meth:`forbid_grad_accumulation`. A ``step()`` that would release the sum of
+        several Poisson batches is still refused (``ValueError``, see :meth:`privacy_event`);
+        with fixed-size batches accumulation is charged per pass."""
         self.grad_accumulation_allowed = True
 
     @property
@@ -616,17 +614,18 @@ class DPOptimizer(_MultiPassDispatch):
         """The privacy event of one released step (what the accountant hook composes): a
         Gaussian with noise ``σ·k`` and sensitivity ``k`` clipped units (``k`` =
         ``noise_scale_factor``: the private passes of split multi-pass clipping, else 1; public
-        passes add nothing), on a Poisson batch of rate ``sample_rate · accumulated_iterations``,
-        or, with ``steps_per_epoch`` (fixed-size batches), on a batch of a pass of
-        ``steps_per_epoch // accumulated_iterations`` steps; ``accumulated_iterations`` here
-        counts the batches of the steps skipped since the last release (:attr:`batches_in_step`)."""
+        passes add nothing) on the :attr:`batches_in_step` loader batches summed into the
+        release (:func:`~dptorch.accountants.accountant.release_event`): one Poisson batch of
+        rate ``sample_rate`` (several raise ``ValueError``: independent Poisson draws summed
+        are not one Poisson step), or, with ``steps_per_epoch`` (fixed-size batches), a batch
+        of a pass of ``steps_per_epoch // batches_in_step`` releases."""
         k = self.noise_scale_factor
         gaussian = GaussianEvent(self.noise_multiplier * k, sensitivity=k)
         batches = self.batches_in_step
-        rate = sample_rate * batches
-        if steps_per_epoch is None:
-            return PoissonSampledEvent(rate, gaussian)
-        if batches > 1 and steps_per_epoch % batches and not self._warned_span:
+        event = release_event(gaussian, sample_rate, batches=batches,
+                              steps_per_epoch=steps_per_epoch)
+        if (steps_per_epoch is not None and batches > 1 and steps_per_epoch % batches
+                and not self._warned_span):
             self._warned_span = True
             warnings.warn(
                 f"A release sums {batches} fixed-size batches while a pass over the data has "
@@ -637,8 +636,16 @@ class DPOptimizer(_MultiPassDispatch):
                 RuntimeWarning,
                 stacklevel=3,
             )
-        steps = max(1, steps_per_epoch // batches)
-        return FixedSizeBatchEvent(gaussian, steps, min(rate, 1.0))
+        return event
+
+    def _check_release(self) -> None:
+        """Raises, before any noise is drawn, the ``ValueError`` of a step hook that could not
+        charge this release (its ``check_release``: the accountant's hook, see
+        :meth:`~dptorch.accountants.accountant.IAccountant.get_optimizer_hook_fn`)."""
+        for hook in self.step_hooks:
+            check = getattr(hook, "check_release", None)
+            if callable(check):
+                check(self)
 
     def attach_step_hook(self, fn: Callable[[DPOptimizer], None]) -> None:
         """``fn(optimizer)`` runs at every real (non-skipped) step, after noise, after the hooks
@@ -675,6 +682,7 @@ class DPOptimizer(_MultiPassDispatch):
             self._pending_logical = tag[0] if tag is not None else None
             self._is_last_step_skipped = True
             return False
+        self._check_release()
         self._ensure_summed_grads()
         self.add_noise()
         self.scale_grad()

@@ -4,7 +4,9 @@ import warnings
 import pytest
 
 from dptorch.accountants import (
+    FixedSizeBatchEvent,
     GaussianAccountant,
+    GaussianEvent,
     IAccountant,
     PLDAccountant,
     RDPAccountant,
@@ -32,14 +34,25 @@ def test_history_compression_len_and_state_round_trip():
 
 
 def test_hook_uses_accumulated_iterations():
+    """An optimizer-like object without ``privacy_event``: one Poisson batch per release is a
+    step at q; two accumulated Poisson batches are refused (their sum is not a Poisson step at
+    2q: a record's multiplicity is Binomial(2, q)), nothing composed; fixed-size batches
+    accumulated by 2 make passes of half as many releases."""
     class Optim:
         noise_multiplier = 1.5
-        accumulated_iterations = 2
+        accumulated_iterations = 1
     acc = create_accountant("pld")
     hook = acc.get_optimizer_hook_fn(sample_rate=0.01)
     hook(Optim())
     hook(Optim())
-    assert acc.history == [(1.5, 0.02, 2)]
+    assert acc.history == [(1.5, 0.01, 2)]
+    Optim.accumulated_iterations = 2
+    with pytest.raises(ValueError, match="2 Poisson batches.*BatchMemoryManager"):
+        hook(Optim())
+    assert acc.history == [(1.5, 0.01, 2)]
+    fixed = create_accountant("pld", neighboring_relation="replace_one")
+    fixed.get_optimizer_hook_fn(sample_rate=0.1, steps_per_epoch=10)(Optim())
+    assert fixed.events[-1] == FixedSizeBatchEvent(GaussianEvent(1.5), 5, 0.2)
 
 
 def test_heterogeneous_rdp_equals_sum_of_phases():

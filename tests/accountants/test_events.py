@@ -139,7 +139,10 @@ def test_state_dict_round_trip_with_events_and_relation():
     acc = PRVAccountant(neighboring_relation="replace_one")
     acc.compose(sgm(1.0, 0.02), 40).compose(FixedSizeBatchEvent(GaussianEvent(1.5), 10, 0.1), 25)
     state = acc.state_dict()
-    assert state["mechanism"] == "prv" and state["history"] == acc.history
+    # the fixed-size row in its plain form (built-in types, weights_only-loadable), not Poisson
+    assert state["mechanism"] == "prv" and state["history"] == [
+        (1.0, 0.02, 40), (1.5, 0.1, 25, {"fixed_size_batches": 10, "new_pass": True})]
+    assert acc.history == [(1.0, 0.02, 40), (1.5, 0.1, 25)]  # the Opacus view unpacks as before
     other = PRVAccountant()
     other.load_state_dict(state)
     assert other.neighboring_relation == "replace_one" and other.events == acc.events
@@ -227,10 +230,19 @@ def test_fixed_size_batches_get_a_sound_number_and_its_assumptions():
 
 
 def test_unknown_sampler_charges_every_step():
-    from torch.utils.data import WeightedRandomSampler
-    sampler = WeightedRandomSampler([1.0] * 48, num_samples=48)
+    # (a WeightedRandomSampler with replacement, used here before, is now refused by
+    # make_private: one batch could hold a record several times)
+    from torch.utils.data import Sampler
+
+    class Shuffled(Sampler[int]):  # a user sampler: dptorch cannot tell what it draws
+        def __iter__(self):
+            return iter(torch.randperm(48).tolist())
+
+        def __len__(self):
+            return 48
+
     with pytest.warns(UserWarning, match="poisson_sampling=False"):
-        engine, *_ = _engine_run(steps=3, poisson=False, quiet=False, sampler=sampler)
+        engine, *_ = _engine_run(steps=3, poisson=False, quiet=False, sampler=Shuffled())
     assert engine.accountant.events[1].event.steps_per_epoch == 1
     with pytest.warns(UserWarning, match="not known to use each record at most once"):
         eps = engine.get_epsilon(1e-5)

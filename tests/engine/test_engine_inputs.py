@@ -27,7 +27,7 @@ from torch.utils.data import (
 )
 
 from dptorch import PrivacyEngine
-from dptorch.data_loader import DPDataLoader, poisson_sampling_indices
+from dptorch.data_loader import DistinctIndicesBatchSampler, DPDataLoader, poisson_sampling_indices
 from dptorch.utils.uniform_sampler import (
     DistributedUniformWithReplacementSampler,
     UniformWithReplacementSampler,
@@ -229,10 +229,21 @@ def test_other_samplers_are_refused_with_the_fix(case):
     # ... as does make_private_with_epsilon, before computing the noise
     with pytest.raises(ValueError, match=pattern):
         _with_epsilon(dl=DataLoader(ds, **kw))
-    # poisson_sampling=False keeps the loader as it is, with the existing warning
+    # poisson_sampling=False: samplers with replacement are refused (a batch could hold a
+    # record twice, charged once); a loader known to use each record once per pass is kept as
+    # it is; any other one comes back with every batch checked for a repeated record
+    if case in ("weighted", "with-replacement"):
+        with pytest.raises(ValueError, match=r"replacement=True.*poisson_sampling=True"):
+            _make_private(dl=dl, poisson_sampling=False)
+        return
     with pytest.warns(UserWarning, match="poisson_sampling=False"):
-        _, _, _, same = _make_private(dl=dl, poisson_sampling=False)
-    assert same is dl
+        _, _, _, got = _make_private(dl=dl, poisson_sampling=False)
+    if case in ("num-samples", "distributed-shard"):
+        assert got is dl
+        return
+    assert isinstance(got.batch_sampler, DistinctIndicesBatchSampler)
+    assert got.batch_sampler.batch_sampler is dl.batch_sampler and got.dataset is dl.dataset
+    assert [list(b) for b in got.batch_sampler] == [list(b) for b in dl.batch_sampler]
 
 
 def test_bad_subset_indices_are_refused():
