@@ -19,6 +19,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..grad_sample.gsm_base import clear_grad_sample
+from ..optimizers.arguments import check_optimizer_params
+from ..utils.uniform_sampler import UniformWithReplacementSampler
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +63,53 @@ def validate_delta(delta: Any) -> float:
     return float(delta)
 
 
-def resolve_sample_rate(sample_rate: float | None, data_loader: Any | None) -> float:
-    """The Poisson sampling rate ``q`` used by the accountant.
+def poisson_batch_sampler(data_loader: Any) -> UniformWithReplacementSampler | None:
+    """``data_loader``'s batch sampler when it is exactly dptorch's single-process Poisson sampler
+    (``UniformWithReplacementSampler``: each record joins each batch independently with
+    probability ``q``, as in ``DPDataLoader``), else ``None``.
 
-    Taken from ``sample_rate`` when given, else from ``data_loader.sample_rate`` (a
-    ``DPDataLoader``-like loader). A plain loader gives ``batch_size / len(dataset)`` with a
-    logged warning: the sampled-Gaussian analysis assumes Poisson sampling, which a shuffled
-    fixed-size loader does not perform.
+    Subclasses and other samplers that carry a ``sample_rate`` are not trusted: the fixed-shape
+    and user-level samplers of ``make_private`` (padding rows, whole users), the distributed
+    sampler, or a user class may draw differently from what the sampled-Gaussian analysis
+    assumes.
+    """
+    batch_sampler = getattr(data_loader, "batch_sampler", None)
+    return batch_sampler if type(batch_sampler) is UniformWithReplacementSampler else None
+
+
+def describe_loader(data_loader: Any) -> str:
+    """``"the data loader (DataLoader, batch sampler BatchSampler over RandomSampler)"``."""
+    batch_sampler = getattr(data_loader, "batch_sampler", None)
+    if batch_sampler is None:
+        return f"the data loader ({type(data_loader).__name__})"
+    inner = getattr(batch_sampler, "sampler", None)
+    over = f" over {type(inner).__name__}" if inner is not None else ""
+    return (
+        f"the data loader ({type(data_loader).__name__}, batch sampler "
+        f"{type(batch_sampler).__name__}{over})"
+    )
+
+
+def resolve_sample_rate(
+    sample_rate: float | None,
+    data_loader: Any | None,
+    *,
+    engine: str = "This engine",
+    approximate: bool = False,
+) -> float:
+    """The Poisson sampling rate ``q`` used by the sampled-Gaussian accountant.
+
+    Taken from ``sample_rate`` when given (the caller states that every record joins every
+    batch independently with probability ``q``), else from ``data_loader``:
+
+    - a loader whose batch sampler is exactly ``UniformWithReplacementSampler`` (a
+      ``DPDataLoader``, or a ``DataLoader(batch_sampler=UniformWithReplacementSampler(...))``)
+      gives its ``sample_rate``: the analysis covers it;
+    - any other loader (a shuffled fixed-size ``DataLoader``, sampling with replacement, the
+      fixed-shape or user-level loaders of ``make_private``, a distributed sampler, a custom
+      loader with a ``sample_rate`` attribute) is not covered: ``ValueError`` for a formal
+      engine (``approximate=False``); for an approximate engine ``q`` is its ``sample_rate``
+      or ``batch_size / len(dataset)``, with an :class:`ApproximateDPWarning` saying so.
     """
     if sample_rate is not None:
         if data_loader is not None:
@@ -85,26 +127,49 @@ def resolve_sample_rate(sample_rate: float | None, data_loader: Any | None) -> f
             "The accountant needs the sampling rate: pass sample_rate=... or data_loader=... "
             "(a DPDataLoader, whose Poisson sampling the accountant assumes)."
         )
+    poisson = poisson_batch_sampler(data_loader)
+    if poisson is not None:
+        return resolve_sample_rate(float(poisson.sample_rate), None)
+    what = describe_loader(data_loader)
+    if not approximate:
+        raise ValueError(
+            f"{engine}'s guarantee is the sampled Gaussian mechanism under Poisson sampling "
+            f"(every record joins every batch independently with probability q), and {what} "
+            "does not sample that way: shuffled fixed-size batches get no amplification by "
+            "sampling, a sampler with replacement can put a record in a batch more than once, "
+            "and the fixed-shape or user-level loaders of make_private add padding rows or whole "
+            "users, so an epsilon accounted at a Poisson rate q would be too small. Fix: pass "
+            "data_loader=DPDataLoader.from_data_loader(loader) (Poisson sampling at "
+            "q = 1 / len(loader)) and train on that loader, or pass sample_rate=q if your "
+            "batches are Poisson samples at rate q; for shuffled fixed-size batches use "
+            "dptorch.PrivacyEngine with poisson_sampling=False, which reports the bound that "
+            "holds for them."
+        )
     q = getattr(data_loader, "sample_rate", None)
     if q is None:
         q = getattr(getattr(data_loader, "batch_sampler", None), "sample_rate", None)
     if q is not None:
-        return resolve_sample_rate(float(q), None)
-    batch_size = getattr(data_loader, "batch_size", None)
-    dataset = getattr(data_loader, "dataset", None)
-    if not batch_size or dataset is None or len(dataset) == 0:
-        raise ValueError(
-            "Cannot infer the sample rate from this data loader (no sample_rate, batch_size or "
-            "dataset); pass sample_rate=... explicitly."
-        )
-    logger.warning(
-        "data_loader does not use Poisson sampling; using sample_rate = batch_size / "
-        "len(dataset) = %d / %d. The accountant's guarantee assumes Poisson sampling "
-        "(use a DPDataLoader).",
-        batch_size,
-        len(dataset),
+        source = "its sample_rate"
+    else:
+        batch_size = getattr(data_loader, "batch_size", None)
+        dataset = getattr(data_loader, "dataset", None)
+        if not batch_size or dataset is None or len(dataset) == 0:
+            raise ValueError(
+                "Cannot infer the sample rate from this data loader (no sample_rate, batch_size "
+                "or dataset); pass sample_rate=... explicitly."
+            )
+        q = batch_size / len(dataset)
+        source = f"batch_size / len(dataset) = {batch_size} / {len(dataset)}"
+    q = resolve_sample_rate(float(q), None)
+    warnings.warn(
+        f"{engine}: {what} does not draw Poisson batches, yet its approximate epsilon is "
+        f"accounted as if every record joined every batch independently with probability "
+        f"q = {q:.6g} ({source}). That is a second approximation on top of the engine's own. "
+        "Use a DPDataLoader (DPDataLoader.from_data_loader(loader)) to remove it.",
+        ApproximateDPWarning,
+        stacklevel=4,
     )
-    return resolve_sample_rate(batch_size / len(dataset), None)
+    return q
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -165,6 +230,7 @@ class ExperimentalPrivacyEngine:
             raise ValueError("secure_mode draws from the OS CSPRNG; pass generator=None.")
         if not trainable_parameters(module):
             raise ValueError("module has no trainable parameters.")
+        self._check_optimizer_params(module, optimizer)
         self.module = module if wrap is None else wrap(module)
         self.optimizer = optimizer
         self.generator = generator
@@ -202,7 +268,25 @@ class ExperimentalPrivacyEngine:
         """Whether a backward pass through the engine happened since the last step."""
         return self._pending
 
+    def _check_optimizer_params(self, module: nn.Module, optimizer: Optimizer) -> None:
+        """The main engine's check (:func:`~dptorch.optimizers.arguments.check_optimizer_params`):
+        the optimizer updates exactly ``module``'s trainable parameters. The engine privatizes
+        only the module's parameters; another one in the optimizer (a learnable temperature,
+        a second model) would be updated with its raw gradient."""
+        try:
+            check_optimizer_params(module, optimizer)
+        except ValueError as e:
+            raise ValueError(
+                f"{type(self).__name__}: {e} The engine privatizes the gradients of the module's "
+                "parameters only: a parameter outside the module would be updated with its raw, "
+                "non-private gradient. Put every trained parameter inside the module you pass "
+                "(e.g. as an nn.Parameter of a wrapper module)."
+            ) from None
+
     def _step_pre_hook(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        # again at every step: optimizer.add_param_group may have added a parameter since
+        # construction (it would be updated with its raw gradient)
+        self._check_optimizer_params(self.module, optimizer)
         if not self._ready():
             raise RuntimeError(
                 f"{type(self).__name__}: optimizer.step() without a backward pass through the "
@@ -329,7 +413,9 @@ class RDPAccountedEngine(ExperimentalPrivacyEngine):
             noise_multiplier,
             hint="It is the noise std relative to the sensitivity (typical values 0.5-2).",
         )
-        self.sample_rate = resolve_sample_rate(sample_rate, data_loader)
+        self.sample_rate = resolve_sample_rate(
+            sample_rate, data_loader, engine=type(self).__name__, approximate=self.is_approximate
+        )
         super().__init__(
             module, optimizer, generator=generator, secure_mode=secure_mode, wrap=wrap
         )

@@ -184,7 +184,10 @@ class ImmediateSensitivityPrivacyEngine(RDPAccountedEngine):
         module: the model (a plain ``nn.Module``; no per-sample gradients are needed).
         optimizer: a ``torch.optim.Optimizer`` over its parameters.
         noise_multiplier: σ > 0; the noise std is ``σ × sensitivity``.
-        sample_rate / data_loader: Poisson sampling rate for the accountant.
+        sample_rate / data_loader: Poisson sampling rate ``q`` for the accountant, or a
+            ``DPDataLoader`` to read it from. Another loader (shuffled fixed-size batches, ...)
+            is accepted with an :class:`ApproximateDPWarning`: ``q`` is then its
+            ``sample_rate`` or ``batch_size / len(dataset)``, although it is not Poisson.
         per_param: one sensitivity per parameter tensor; tensor ``j`` gets noise std
             ``σ · exp(beta) · IS_j``. Tensors whose sensitivity is zero in a step (their
             gradient does not depend on the inputs) get no noise and no input derivative.

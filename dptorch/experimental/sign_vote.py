@@ -64,7 +64,12 @@ class SignVotePrivacyEngine(PerSampleGradientMixin, RDPAccountedEngine):
         module, optimizer: the model and its ``torch.optim.Optimizer``.
         noise_multiplier: σ > 0; the count noise std is ``σ √d``, with ``d`` the number of
             coordinates trainable at the step (recounted every step).
-        sample_rate / data_loader: Poisson sampling rate for the accountant.
+        sample_rate / data_loader: ``q``, the probability that every record joins every batch
+            independently (train on Poisson batches at that rate); or a loader drawing such
+            batches, whose ``q`` is read: a ``DPDataLoader`` or a ``DataLoader`` whose batch
+            sampler is ``UniformWithReplacementSampler``. Any other loader (shuffled fixed-size
+            batches, sampling with replacement, the fixed-shape or user-level loaders of
+            ``make_private``) raises ``ValueError``: the analysis does not cover it.
         output: ``"sign"`` — ``p.grad = sign(noisy counts)`` (signSGD; use a small learning
             rate); ``"mean"`` — ``p.grad = noisy counts / expected_batch_size``.
         expected_batch_size: needed for ``output="mean"``.

@@ -47,6 +47,7 @@ from ._base import (
     ExperimentalPrivacyEngine,
     PerSampleGradientMixin,
     as_grad_sample_module,
+    describe_loader,
     validate_positive,
 )
 
@@ -140,6 +141,82 @@ def zcdp_to_epsilon(rho: float, delta: float) -> float:
     return rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))
 
 
+_PARTITION_FIX = (
+    "Fix: use a torch DataLoader whose batches partition the records, e.g. "
+    "DataLoader(dataset, batch_size=b, shuffle=True, drop_last=True) (a RandomSampler without "
+    "replacement; a SequentialSampler or a SubsetRandomSampler of distinct indices work too), or "
+    "pass steps_per_epoch=... instead of data_loader=... if you guarantee yourself that every "
+    "example is in at most one batch of each epoch."
+)
+
+
+def partition_steps_per_epoch(data_loader: Any) -> int:
+    """``len(data_loader)``, when every pass over ``data_loader`` provably puts each record in
+    at most one batch, which is the trimmed-mean analysis's assumption (one step of an epoch
+    touches the replaced record). Trusted are the loaders dptorch's main engine trusts to use
+    every record at most once per pass (:func:`~dptorch.data_loader.uses_each_record_once`,
+    behind :func:`~dptorch.data_loader.steps_per_pass`): torch's ``BatchSampler`` over a
+    ``SequentialSampler``, a ``RandomSampler`` without replacement, a ``SubsetRandomSampler`` of
+    distinct indices or a ``DistributedSampler`` that pads nothing. Any other loader raises
+    ``ValueError``: Poisson loaders, samplers with replacement, custom (batch) samplers,
+    iterable datasets.
+    """
+    from torch.utils.data import DataLoader
+
+    from .. import data_loader as dl
+
+    batch_sampler = getattr(data_loader, "batch_sampler", None)
+    if (
+        getattr(data_loader, "sample_rate", None) is not None
+        or getattr(batch_sampler, "sample_rate", None) is not None
+    ):
+        raise ValueError(
+            "The trimmed-mean analysis needs every example in at most one fixed-size batch per "
+            f"epoch; {describe_loader(data_loader)} draws Poisson batches (sample_rate), where an "
+            "example can be in any number of batches of an epoch. " + _PARTITION_FIX
+        )
+    if not isinstance(data_loader, DataLoader):
+        raise ValueError(
+            f"data_loader must be a torch.utils.data.DataLoader, got {type(data_loader).__name__}: "
+            "the trimmed-mean analysis needs every example in at most one batch per epoch, which "
+            "dptorch can check only on a DataLoader's sampler. " + _PARTITION_FIX
+        )
+    once = getattr(dl, "uses_each_record_once", None)
+    try:
+        per_pass = dl.steps_per_pass(data_loader, poisson_sampling=False)
+        batches = len(data_loader)
+        # steps_per_pass answers len(data_loader) for a trusted loader, else 1: ambiguous for a
+        # loader of one batch, which only the predicate behind it (when there is one) settles
+        trusted = once(data_loader) if once is not None else per_pass == batches >= 2
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            "The trimmed-mean analysis needs every example in at most one batch per epoch, and "
+            f"{describe_loader(data_loader)} cannot be shown to do that: {e} " + _PARTITION_FIX
+        ) from None
+    if batches == 0:
+        raise ValueError(
+            f"{describe_loader(data_loader)} yields no batch (len(data_loader) == 0): use a "
+            "batch size of at most the number of examples, or drop_last=False."
+        )
+    if trusted:
+        return batches
+    if once is None and batches == 1 and per_pass == 1:
+        raise ValueError(
+            f"{describe_loader(data_loader)} yields a single batch per epoch, and dptorch cannot "
+            "tell whether its sampler can put an example in it more than once (the trimmed-mean "
+            "analysis needs every example in at most one batch, once). Pass steps_per_epoch=1 "
+            "instead of data_loader=... if every example is in the batch at most once (e.g. "
+            "DataLoader(dataset, batch_size=len(dataset), shuffle=True))."
+        )
+    raise ValueError(
+        "The trimmed-mean analysis needs every example in at most one batch per epoch (so that "
+        f"an epoch is one rho-zCDP release per example), and {describe_loader(data_loader)} is "
+        "not known to do that: a sampler with replacement or a weighted one can put an example "
+        "in several batches or twice in one, and a custom sampler, batch sampler or iterable "
+        "dataset is not checked. " + _PARTITION_FIX
+    )
+
+
 class TrimmedMeanPrivacyEngine(PerSampleGradientMixin, ExperimentalPrivacyEngine):
     """Trimmed mean of clamped per-sample gradients with smooth-sensitivity LLN noise.
 
@@ -157,7 +234,10 @@ class TrimmedMeanPrivacyEngine(PerSampleGradientMixin, ExperimentalPrivacyEngine
         module, optimizer: the model and its ``torch.optim.Optimizer``.
         rho_per_epoch: zCDP budget ρ of one epoch (split evenly over the ``d`` coordinates
             trainable at each step; ``d`` is recounted every step).
-        steps_per_epoch / data_loader: number of batches per epoch (``len(data_loader)``).
+        steps_per_epoch / data_loader: number of batches per epoch, or a ``DataLoader`` whose
+            batches put every example in at most one batch per epoch (``len(data_loader)``; see
+            :func:`partition_steps_per_epoch`: other loaders, Poisson ones included, raise
+            ``ValueError``).
         m_trim: number of values trimmed from each end; or ``trim_fraction`` in ``[0, 0.5)``,
             ``m = floor(trim_fraction · n)`` for a batch of ``n`` (default 0.1).
         min_val, max_val: per-coordinate clamping bounds of the per-sample gradients
@@ -256,13 +336,7 @@ class TrimmedMeanPrivacyEngine(PerSampleGradientMixin, ExperimentalPrivacyEngine
         if data_loader is not None:
             if steps_per_epoch is not None:
                 raise ValueError("Pass steps_per_epoch or data_loader, not both.")
-            if getattr(data_loader, "sample_rate", None) is not None:
-                raise ValueError(
-                    "The trimmed-mean analysis needs every example in exactly one fixed-size "
-                    "batch per epoch; a Poisson-sampling DPDataLoader does not do that. Use a "
-                    "shuffled torch DataLoader (drop_last=True)."
-                )
-            steps_per_epoch = len(data_loader)
+            steps_per_epoch = partition_steps_per_epoch(data_loader)
         if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
             raise ValueError(
                 f"steps_per_epoch must be a positive int (batches per epoch), got {steps_per_epoch!r}."
