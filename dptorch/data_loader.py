@@ -509,6 +509,41 @@ def check_fixed_size_loader(data_loader: DataLoader, *, distributed: bool = Fals
                 "accounting charges one. Or use poisson_sampling=True (dptorch gives each rank "
                 "its share of one Poisson batch)."
             )
+        _check_shards_agree(sampler)
+
+
+def _check_shards_agree(sampler: DistributedSampler) -> None:
+    """The ranks' ``DistributedSampler``s shard one permutation disjointly only if each has its
+    own rank and all agree on the seed, shuffling, ``drop_last`` and the data set's size (a
+    ``seed=rank``, or a hard-coded ``rank``, puts one record into several ranks' batches).
+    Every rank gathers every rank's settings first, so all raise together."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    mine = (dist.get_rank(), sampler.rank, sampler.seed, sampler.shuffle, sampler.drop_last,
+            len(sampler.dataset), sampler.num_replicas)  # type: ignore[arg-type]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    wrong = [(r, s) for r, s, *_ in everyone if r != s]
+    if wrong:
+        raise ValueError(
+            "poisson_sampling=False in distributed training: DistributedSampler built with "
+            f"another rank than its process's ((process rank, sampler rank): {wrong}), so two "
+            "ranks draw the same shard and a record's clipped gradient is summed twice into one "
+            "release, which the accounting charges once. Fix: DistributedSampler(dataset) (it "
+            "reads the rank of the process group), or rank=torch.distributed.get_rank()."
+        )
+    if any(other[2:] != mine[2:] for other in everyone):
+        raise ValueError(
+            "poisson_sampling=False in distributed training: the ranks' DistributedSamplers "
+            "disagree on (seed, shuffle, drop_last, dataset size, num_replicas): "
+            f"{[other[2:] for other in everyone]}. Their shards are then cuts of different "
+            "permutations, which can put a record into several ranks' batches of one release "
+            "while the accounting charges it once. Fix: the same seed on every rank (not "
+            "seed=rank), the same data set and options, and sampler.set_epoch(epoch) on every "
+            "rank."
+        )
 
 
 class DistinctIndicesBatchSampler(Sampler[list[int]]):
@@ -517,13 +552,26 @@ class DistinctIndicesBatchSampler(Sampler[list[int]]):
     assumes of a sampler it cannot identify. Other attributes are the wrapped sampler's (read
     and written through), so generator switching and checkpoints see its generators."""
 
-    def __init__(self, batch_sampler: Sampler) -> None:
+    def __init__(self, batch_sampler: Sampler, num_records: int | None = None) -> None:
         object.__setattr__(self, "batch_sampler", batch_sampler)
+        object.__setattr__(self, "num_records", num_records)
+
+    def _key(self, i: Any) -> Any:
+        """The record an index names: ``i`` and ``i - N`` (a negative index) are one record of a
+        dataset of ``N`` records."""
+        if isinstance(i, torch.Tensor) and i.numel() == 1:
+            i = i.item()
+        if hasattr(i, "__index__") and not isinstance(i, bool):
+            i = int(i.__index__())
+            n = self.num_records
+            if n is not None and -n <= i < 0:
+                i += n
+        return i
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.batch_sampler:
-            keys = batch.tolist() if hasattr(batch, "tolist") else [
-                i.item() if isinstance(i, torch.Tensor) else i for i in batch]
+            raw = batch.tolist() if isinstance(batch, torch.Tensor) else batch
+            keys = [self._key(i) for i in raw]
             if len(set(keys)) != len(keys):
                 seen: set = set()
                 twice = next(i for i in keys if i in seen or seen.add(i))
@@ -542,7 +590,7 @@ class DistinctIndicesBatchSampler(Sampler[list[int]]):
         return len(self.batch_sampler)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
-        if name == "batch_sampler" or name.startswith("__"):
+        if name in ("batch_sampler", "num_records") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
 
@@ -597,13 +645,22 @@ def prepare_data_loader(
         return data_loader
     # a sampler dptorch cannot identify: every batch is checked as it is drawn
     carried = {k: getattr(data_loader, k) for k in _CARRIED_KWARGS if hasattr(data_loader, k)}
-    return DataLoader(
+    try:
+        n = len(data_loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    checked = DataLoader(
         data_loader.dataset,
-        batch_sampler=DistinctIndicesBatchSampler(data_loader.batch_sampler),
+        batch_sampler=DistinctIndicesBatchSampler(data_loader.batch_sampler, n),
         collate_fn=data_loader.collate_fn,
         generator=data_loader.generator,
         **carried,
     )
+    # what code reads of the user's loader (``loader.sampler.set_epoch``, ``batch_size``,
+    # ``drop_last``) stays the user's: only batch_sampler, which draws the batches, is checked
+    for name in ("sampler", "batch_size", "drop_last"):
+        object.__setattr__(checked, name, getattr(data_loader, name))
+    return checked
 
 
 def _check_subset(

@@ -23,6 +23,11 @@ from typing import Any, TypeVar
 import numpy as np
 from scipy.special import ndtri
 
+try:
+    from torch.serialization import add_safe_globals
+except ImportError:  # torch < 2.4
+    add_safe_globals = None
+
 from .events import (
     FixedSizeBatchEvent,
     GaussianEvent,
@@ -172,7 +177,9 @@ class IAccountant(abc.ABC):
         """Replaces the events: a plain ``(σ, q, n)`` row (Opacus) is ``n`` Poisson-sampled
         Gaussian steps; a :class:`FixedSizeHistoryRow`, or its plain form ``(σ, q, n,
         {"fixed_size_batches": m, "new_pass": b})`` (``state_dict()``), is ``n`` fixed-size-batch
-        steps with passes of ``m`` steps. Anything else raises ``ValueError``."""
+        steps with passes of ``m`` steps. Anything else raises ``ValueError``. A fixed-size
+        row reduced to its 3-tuple (``tuple(row)``, JSON without the dict) cannot be told from
+        a Poisson row and is read as one, which under-reports ε: keep ``state_dict()``'s form."""
         events: list[tuple[PrivacyEvent, int]] = []
         for row in history:
             sigma, q, n, fixed = _history_row(row)
@@ -443,6 +450,11 @@ class FixedSizeHistoryRow(tuple):
                 f"steps_per_epoch={self.steps_per_epoch}, new_pass={self.new_pass})")
 
 
+# torch.load(weights_only=True), torch's default, may rebuild the rows of a saved history
+if add_safe_globals is not None:
+    add_safe_globals([FixedSizeHistoryRow])
+
+
 def _history_row(row: Any) -> tuple[float, float, int, tuple[int, bool] | None]:
     """``(σ, q, n, (steps_per_epoch, new_pass) or None)`` of a history row (``None``: a plain
     Opacus row, Poisson-sampled steps)."""
@@ -486,7 +498,9 @@ def release_event(gaussian: PrivacyEvent, sample_rate: float, *, batches: int = 
       rate ``k·q`` ε is under-reported: 17.9 for 25.4 at q = 1/2, k = 2, σ = 1, 10 releases).
     * fixed-size batches: ``FixedSizeBatchEvent(gaussian, steps_per_epoch // batches,
       min(batches · sample_rate, 1))`` (a pass of ``steps_per_epoch`` batches is
-      ``steps_per_epoch // batches`` releases). ``steps_per_epoch = 1`` (a loader not known to
+      ``steps_per_epoch // batches`` releases; ``batches`` must divide ``steps_per_epoch``, or
+      releases would span two passes and hold a record twice: ``ValueError``).
+      ``steps_per_epoch = 1`` (a loader not known to
       use each record at most once per pass, or a pass of one batch) charges each release as
       one Gaussian in which a record appears at most once, which several batches do not
       ensure: ``ValueError``.
@@ -523,5 +537,16 @@ def release_event(gaussian: PrivacyEvent, sample_rate: float, *, batches: int = 
             "RandomSampler without replacement, SubsetRandomSampler) over several batches per "
             "pass, or poisson_sampling=True with one Poisson batch per step."
         )
-    return FixedSizeBatchEvent(gaussian, max(1, steps_per_epoch // batches),
+    if steps_per_epoch % batches:
+        raise ValueError(
+            f"This optimizer step would release the sum of {batches} fixed-size batches "
+            f"(poisson_sampling=False) while a pass over the data has {steps_per_epoch} "
+            f"batches, which {batches} does not divide: releases then span the end of one pass "
+            "and the start of the next, where a record can appear twice, and the accountant "
+            "(which charges each record once per pass) would under-report epsilon, so it is not "
+            f"released. Fix: accumulate a number of batches that divides {steps_per_epoch} "
+            "(a divisor of len(data_loader), with drop_last=True if needed), or step after "
+            "every batch and bound memory with BatchMemoryManager, which splits one batch."
+        )
+    return FixedSizeBatchEvent(gaussian, steps_per_epoch // batches,
                                min(sample_rate * batches, 1.0))

@@ -218,7 +218,6 @@ class DPOptimizer(_MultiPassDispatch):
         self._physical_batch: list | None = None
         self._pending_logical: int | None = None  # the logical batch of the pending sums
         self._skipped_batches = 0  # loader batches in the pending sums (non-physical skips)
-        self._warned_span = False
         self.grad_accumulation_allowed = True
         self._is_last_step_skipped = False
         self._step_hooks_deferred = False
@@ -622,21 +621,8 @@ class DPOptimizer(_MultiPassDispatch):
         k = self.noise_scale_factor
         gaussian = GaussianEvent(self.noise_multiplier * k, sensitivity=k)
         batches = self.batches_in_step
-        event = release_event(gaussian, sample_rate, batches=batches,
-                              steps_per_epoch=steps_per_epoch)
-        if (steps_per_epoch is not None and batches > 1 and steps_per_epoch % batches
-                and not self._warned_span):
-            self._warned_span = True
-            warnings.warn(
-                f"A release sums {batches} fixed-size batches while a pass over the data has "
-                f"{steps_per_epoch}: some releases span two passes, where a record can appear "
-                "twice, and the accountant (which counts whole passes) under-reports epsilon for "
-                "them. Accumulate a number of batches that divides the pass (and start each "
-                "pass on a fresh release), or use BatchMemoryManager, which splits one batch.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return event
+        return release_event(gaussian, sample_rate, batches=batches,
+                             steps_per_epoch=steps_per_epoch)
 
     def _check_release(self) -> None:
         """Raises, before any noise is drawn, the ``ValueError`` of a step hook that could not

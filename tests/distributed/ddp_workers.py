@@ -324,6 +324,33 @@ def fixed_shape_checks(rank: int, world_size: int, mode: str) -> dict:
             "expected_batch_size": opt.expected_batch_size}
 
 
+def shard_checks(rank: int, world_size: int) -> dict:
+    """make_private(poisson_sampling=False) over DistributedSamplers that do not shard one
+    permutation disjointly (``seed=rank``; a hard-coded ``rank=0``), and over ones that do:
+    the refusal message on each rank, or ``None``."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from dptorch import PrivacyEngine
+
+    x, y = train_data()
+    ds = TensorDataset(x, y)
+    out = {}
+    for name, kwargs in (("seed_rank", {"seed": rank}), ("rank_0", {"rank": 0}),
+                         ("good", {"seed": 3})):
+        model = DDP(train_model())
+        loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, **kwargs))
+        try:
+            PrivacyEngine().make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                poisson_sampling=False,
+            )
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
 def all_checks(rank: int, world_size: int, out_dir: str) -> dict:
     """Every distributed check, in one spawned run."""
     out = {
@@ -338,6 +365,7 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> dict:
         ("fast_training", fast_training_checks, ()),
         ("fixed_shape_hooks", fixed_shape_checks, ("hooks",)),
         ("fixed_shape_bk", fixed_shape_checks, ("bk",)),
+        ("shards", shard_checks, ()),
     ):
         try:
             out[key] = fn(rank, world_size, *args)
