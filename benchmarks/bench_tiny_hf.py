@@ -63,15 +63,26 @@ def worker(name: str, mode: str, repeats: int) -> dict:
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=b)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dp_model, dp_opt, _ = PrivacyEngine().make_private(
+        out = PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
             grad_sample_mode=mode, poisson_sampling=False,
+            criterion=torch.nn.CrossEntropyLoss(),
         )
+    dp_model, dp_opt = out[0], out[1]
+    # ghost back-propagates through its loss wrapper: per-sample losses, then the DP loss
+    criterion = out[2] if mode == "ghost" else None
 
     def step(m, opt):
         opt.zero_grad()
-        m(**batch).loss.backward()
+        if criterion is not None and m is dp_model:
+            logits = m(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            if name == "bert":
+                criterion(logits, batch["labels"]).backward()
+            else:  # causal LM: position t predicts token t + 1
+                criterion(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:]).backward()
+        else:
+            m(**batch).loss.backward()
         opt.step()
 
     times: list[list[float]] = [[], []]
