@@ -113,12 +113,20 @@ def _replace(obj, swap, depth: int):
 def escaped_tensors(trace) -> dict[int, tuple[torch.Tensor, frozenset[int]]]:
     """``{id: (tensor, calls)}``: the tensors that ``trace`` (a finished
     :class:`~dptorch.grad_sample.use_trace.UseTrace`) tagged as computed inside hooked calls
-    (``calls``) from their parameters, other than the calls' first outputs, with a gradient."""
-    return {
-        tid: (t, cids & trace.ended)
-        for tid, (t, cids) in trace.tags.items()
-        if cids & trace.ended and t.grad_fn is not None
-    }
+    (``calls``) from their parameters, with a gradient, and that get it from those parameters
+    other than through the calls' first outputs. A tensor a call derived from its first output
+    only (a layer returning ``(y, y.softmax(-1))``, Mixtral's router scores computed from its
+    logits) is not one: every gradient through it reaches the parameters through the first
+    output, whose capture hook sees it (:meth:`UseTrace.leaking` walks the autograd graph from
+    the tensor, stopping at the first output, within the nodes made during the call)."""
+    out = {}
+    for tid, (t, cids) in list(trace.tags.items()):
+        ended = cids & trace.ended
+        if ended and t.grad_fn is not None:
+            ended = trace.leaking(t, ended)
+            if ended:
+                out[tid] = (t, ended)
+    return out
 
 
 def guard_escapes(trace, out, model: nn.Module, escaped: dict | None = None):

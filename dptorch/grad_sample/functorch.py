@@ -13,7 +13,13 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module
 
-from .recompute_state import recompute_guard
+from .recompute_state import (
+    ForwardFingerprint,
+    check_recompute,
+    current_fingerprint,
+    recompute_fingerprint,
+    recompute_guard,
+)
 from .unit_params import unit_parameters
 from .use_trace import tensors_in
 
@@ -55,10 +61,16 @@ def ft_compute_per_sample_gradient(
         return {p: p.new_zeros((0, *p.shape)) for _, p in named}
     label = f"{name or type(layer).__name__} ({type(layer).__name__})"
     _check_no_nested_batch(label, activations, kwargs, backprops.shape[0])
+    # the forward's fingerprint, when called from the capture hook of that call
+    fingerprint = current_fingerprint(layer)
     with recompute_guard(layer, label):  # a stateful forward is refused (recompute_state.py)
         per_sample = _vmap_grad(
-            layer, names, values, activations, backprops, kwargs, batch_first, label, shared
+            layer, names, values, activations, backprops, kwargs, batch_first, label, shared,
+            fingerprint,
         )
+    if fingerprint is not None:  # the recompute must have reproduced the forward's output
+        per_sample, got = per_sample
+        per_sample = check_recompute(label, fingerprint, got, per_sample)
     return {p: gs for (_, p), gs in zip(named, per_sample)}
 
 
@@ -72,11 +84,14 @@ def _vmap_grad(
     batch_first: bool,
     label: str | None = None,
     shared: Mapping[int | str, torch.Size] | None = None,
+    fingerprint: ForwardFingerprint | None = None,
 ) -> tuple:
     """Per-sample gradients of ``<layer(x_b), g_b>`` w.r.t. the parameters ``names`` (given the
     values ``values``), one ``(B, *shape)`` tensor per name: ``vmap`` over ``grad`` of
     :func:`call_forward` on one sample. The call on one sample must return one row (its batch
-    dimension of size 1), else ``ValueError``: the layer read other samples' data."""
+    dimension of size 1), else ``ValueError``: the layer read other samples' data. With
+    ``fingerprint`` (the forward output's, recompute_state.py), returns ``(gradients,
+    fingerprints)``: the same fingerprint of every sample's recomputed output, ``(B, K + 1)``."""
     batch_size = backprops.shape[0]
     bdim = 0 if batch_first else 1
 
@@ -113,10 +128,14 @@ def _vmap_grad(
                 "(dptorch.grad_sample.register_grad_sampler); for EmbeddingBag with offsets "
                 "use grad_sample_mode='hooks'."
             )
-        return (out * g.unsqueeze(bdim)).sum()
+        loss = (out * g.unsqueeze(bdim)).sum()
+        if fingerprint is None:
+            return loss
+        return loss, recompute_fingerprint(fingerprint, out, bdim, label or type(layer).__name__)
 
+    fn = grad(sample_loss) if fingerprint is None else grad(sample_loss, has_aux=True)
     try:
-        return vmap(grad(sample_loss), in_dims=(None, 0, 0, 0))(
+        return vmap(fn, in_dims=(None, 0, 0, 0))(
             tuple(values),
             tuple(activations[i] for i in batched_pos),
             tuple(kwargs[k] for k in batched_kw),

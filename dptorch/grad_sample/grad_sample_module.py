@@ -1,8 +1,9 @@
 """Hooks-based per-sample gradients (``grad_sample_mode="hooks"`` and ``"functorch"``).
 
 Mechanism: a forward hook on every module that owns trainable parameters keeps that call's
-inputs and registers a tensor hook on its output. When autograd delivers the gradient of the
-output (the *backprops*), the layer's grad sampler (or ``torch.func`` as a fallback) turns
+inputs and hooks the gradient of its output (a pre-hook of the output's autograd node, which
+runs after the output's tensor hooks). When autograd delivers the gradient of the output (the
+*backprops*), the layer's grad sampler (or ``torch.func`` as a fallback) turns
 inputs and backprops into per-sample gradients, which are summed over every call of the layer
 in the same backward pass (recurrent use, tied weights). At the end of the backward pass a
 callback queued on the autograd engine publishes them as ``p.grad_sample``.
@@ -31,9 +32,10 @@ from torch.nn.utils.rnn import PackedSequence
 from ..utils.fsdp_utils import refuse_fsdp_model
 from .escapes import escaped_tensors, escaped_use, guard_escapes, is_escape_guard, mark_escapes
 from .functorch import ft_compute_per_sample_gradient, module_batch_first
-from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule
+from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, AbstractGradSampleModule, weak_method
 from .hf_adapters import install_adapters
 from .param_edges import is_sanctioned, next_sequence_nr, param_consumers, sanction
+from .recompute_state import forward_fingerprint, run_with_fingerprint
 from .registry import GRAD_SAMPLERS, replaced_forward
 from .step_record import PassRecord, StepRecord, register_record, unregister_record
 from .unit_params import own_parameters, sampled_parameters, trainable_signature, trainable_units
@@ -168,8 +170,6 @@ class GradSampleModule(AbstractGradSampleModule):
         #: first (:class:`_OutputWitness`) and what it saw, {id(layer): (output, version)}
         self._witness: _OutputWitness | None = None
         self._raw_outputs: dict[int, tuple] = {}
-        #: handles of the capture's tensor hooks registered in the current forward pass
-        self._tensor_hooks: list = []
         self.record = StepRecord()
         self._adapters = install_adapters(m)
         self.add_hooks(
@@ -221,8 +221,8 @@ class GradSampleModule(AbstractGradSampleModule):
         finally:
             self._forward = None
             self._call_floors.clear()
-            _last_of_their_tensors(self._tensor_hooks)
-            self._tensor_hooks = []
+            if self._witness is not None and not _foreign_global_forward_hooks():
+                self._remove_witness()  # nothing left to watch (torch.compile warns about it)
 
     def _check_escapes(self, trace: UseTrace, out):
         """Rule 2 after a traced pass (dptorch/grad_sample/escapes.py): a tensor computed in a
@@ -680,19 +680,26 @@ class GradSampleModule(AbstractGradSampleModule):
         if kwargs:
             activations, kwargs = _kwargs_to_positional(module, activations, kwargs)
         self.capture_activations_hook(module, activations, hooked, forward_kwargs=kwargs)
-        on_grad = partial(self._on_backprops, module, activations, kwargs, self._forward, [])
+        # the module and this object weakly: a module that keeps a tensor of its forward on
+        # itself (``self.last = y``) holds that tensor's graph, whose node holds this hook; a
+        # strong reference would be a cycle through autograd that the garbage collector does
+        # not see, and the model would never be freed
+        on_grad = partial(weak_method(self._on_backprops, module), activations, kwargs,
+                          self._forward, [])
         if hooked is not out:
             # the base's offset, not the base: a hook holding its own tensor is a cycle that the
             # garbage collector does not see, and it would keep every step's graph alive
             on_grad = partial(_view_grad, on_grad, out.detach(), hooked.storage_offset())
-        # the last of the tensor's hooks (see _last_tensor_hook): a hook registered later (by a
-        # forward hook of the user's, or the parent's forward) changes the layer's gradient
-        place: list = []
-        handle = hooked.register_hook(partial(self._last_tensor_hook, module, place, on_grad))
-        place.append(handle)
-        if self._forward is not None:
-            self._tensor_hooks.append(handle)
+        if self._uses_functorch(module):  # its recompute must reproduce this output
+            on_grad = partial(run_with_fingerprint, forward_fingerprint(module, out, bdim), on_grad)
+        self._hook_output_grad(module, hooked, on_grad)
         return new_output
+
+    def _hook_output_grad(self, module: nn.Module, hooked: torch.Tensor, on_grad) -> None:
+        """Has ``on_grad`` called with the gradient of ``hooked`` (``module``'s output, or the
+        base it reshapes) in the backward pass, after every tensor hook of ``hooked``
+        (:func:`_hook_gradient`)."""
+        _hook_gradient(hooked, on_grad)
 
     def module_name(self, module: nn.Module) -> str:
         """``module``'s path in the wrapped model (its class name if it is not a submodule)."""
@@ -735,30 +742,6 @@ class GradSampleModule(AbstractGradSampleModule):
         """Runs once per hooked call in the forward pass, after its inputs were kept (fast
         clipping counts calls and keeps output edges here). ``_forward_output`` is the tensor
         whose gradient is hooked: the output, or the base it reshapes (see ``_hookable``)."""
-
-    def _last_tensor_hook(self, module, place: list, on_grad, grad):
-        """The capture's tensor hook; ``place[0]`` its handle. Tensor hooks run in the order of
-        registration, each on the previous one's result, and the layer's backward gets the
-        last result: the per-sample gradients must come from that one. At the end of a forward
-        pass of the wrapped model every capture hook is moved after the hooks registered on
-        its tensor since (:meth:`_end_forward`); one registered after that (between the forward
-        and the backward pass) is refused."""
-        if self.hooks_enabled and self.backward_hooks_enabled and place:
-            hooks = place[0].hooks_dict_ref()
-            keys = list(dict.__iter__(hooks)) if hooks is not None else []  # autograd's order
-            later = keys[keys.index(place[0].id) + 1:] if place[0].id in keys else []
-            if not all(_is_capture_tensor_hook(hooks[key]) for key in later):
-                raise ValueError(
-                    f"{self.module_name(module)} ({type(module).__name__}): a tensor hook "
-                    "(Tensor.register_hook) was registered on this layer's output after the "
-                    "forward pass of the wrapped model (or during a call of the layer outside "
-                    "it). It runs after dptorch's per-sample capture hook and may change the "
-                    "gradient the layer's backward receives, which the per-sample gradients "
-                    "would then not match (and their clipping would not bound each sample's "
-                    "contribution). Fix: register it during the forward pass (in the model's "
-                    "forward or a forward hook), or on a tensor computed from the output."
-                )
-        return on_grad(grad)
 
     def _on_backprops(self, module, activations, kwargs, fwd, passes: list, grad):
         if torch.is_grad_enabled():  # even with the backward hooks off: nothing sees that use
@@ -1260,11 +1243,16 @@ class _OutputWitness:
     output of every call of a hooked layer as the layer's ``forward`` returned it, before any
     other global hook (they run before a module's own hooks) can replace or modify it; the
     capture hook compares (:meth:`GradSampleModule._check_forward_output`). Holds its module
-    weakly: the witness of a module dropped without ``cleanup()`` removes itself."""
+    weakly: the witness of a module dropped without ``cleanup()`` removes itself when the
+    module is freed; the module removes it at the end of a forward pass when no other global
+    forward hook is left (torch.compile warns about any global hook)."""
 
     def __init__(self, gsm: GradSampleModule):
-        self._gsm = weakref.ref(gsm)
+        self._gsm = weakref.ref(gsm, self._gone)
         self.handle = _torch_module.register_module_forward_hook(self)
+
+    def _gone(self, _ref) -> None:
+        self.handle.remove()
 
     def go_first(self) -> None:
         hooks = _torch_module._global_forward_hooks
@@ -1288,21 +1276,27 @@ class _OutputWitness:
         gsm._witness_output(module, output)
 
 
-def _is_capture_tensor_hook(hook) -> bool:
-    """Whether a tensor hook is a GradSampleModule's capture hook (it returns ``None``)."""
-    return isinstance(hook, partial) and (
-        getattr(hook.func, "__func__", None) is GradSampleModule._last_tensor_hook
-    )
+def _hook_gradient(t: torch.Tensor, on_grad) -> None:
+    """Calls ``on_grad`` with the gradient of ``t`` in the backward pass, as the autograd node
+    that made ``t`` receives it: a pre-hook of ``t.grad_fn``, which autograd runs after every
+    tensor hook of ``t`` (``Tensor.register_hook``, registered before or after this one,
+    during or after the forward pass, ``retain_grad``), so the per-sample gradients come from
+    the gradient that the layer's backward gets. A node pre-hook also sees the gradient of
+    ``t``'s value when ``t`` is modified in place later (its hooks after the op are on the new
+    node, upstream of this one). A node's gradients are indexed by output number (several
+    outputs of one ``torch.autograd.Function``); ``None`` where ``t`` got none."""
+    node = t.grad_fn
+    if node is None:  # a leaf: no node to hook
+        t.register_hook(on_grad)
+        return
+    node.register_prehook(partial(_node_grad, t.output_nr, on_grad))
 
 
-def _last_of_their_tensors(handles: list) -> None:
-    """Moves the tensor hooks ``handles`` after every other hook of their tensors (removed and
-    inserted again: autograd calls a tensor's hooks in the order of its dict's storage, which
-    ``OrderedDict.move_to_end`` does not change)."""
-    for handle in handles:
-        hooks = handle.hooks_dict_ref()
-        if hooks is not None and len(hooks) > 1 and handle.id in hooks:
-            hooks[handle.id] = hooks.pop(handle.id)
+def _node_grad(output_nr: int, on_grad, grad_outputs):
+    grad = grad_outputs[output_nr]
+    if grad is not None:
+        on_grad(grad)
+    return None  # the gradients pass on unchanged
 
 
 def _runs_before_capture(hook) -> bool:

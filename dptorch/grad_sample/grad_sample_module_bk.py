@@ -37,6 +37,7 @@ from torch import nn
 
 from .functorch import module_batch_first
 from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from .gsm_base import weak_method
 from .norm_samplers import generic_clipped_sum, rows_scaled
 from .registry import derived, input_grad_only_forward, prefer_ghost, rule_for
 
@@ -108,7 +109,9 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             else:
                 plain |= {id(p) for p in params}
             for p in params:
-                self._bk_handles.append(p.register_hook(partial(self._on_autograd_grad, p)))
+                # weakly (a parameter's hook holding this object, which holds the module, which
+                # holds the parameter: a cycle the garbage collector does not see)
+                self._bk_handles.append(p.register_hook(weak_method(self._on_autograd_grad, p)))
         # a parameter tied between the two kinds (an Embedding subclass with a forward of its
         # own and a Linear head) gets autograd's gradient from the first: that one is expected
         self._no_autograd -= plain

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..clipping import ClippingContract
 from .grad_sample_module import GradSampleModule
-from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE
+from .gsm_base import ACCUMULATION_FORBIDDEN_MESSAGE, weak_method
 from .norm_samplers import Factors, factor_inner, sq_norms
 from .registry import derived, replaced_forward, rule_for
 from .step_record import PassRecord, grad_state
@@ -118,6 +119,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         self._callers: dict[int, list[nn.Module]] = {}
         self._factors: dict[int, list] = {}
         self._outputs: list[GradientEdge] = []
+        #: the capture's tensor hooks on those outputs (see :meth:`_hook_output_grad`)
+        self._output_hooks: list = []
         self._per_sample_gradient_norms: torch.Tensor | None = None
         self._keep_output_edges = True
         # torch DDP must not all-reduce p.grad in backward: it holds the local clipped sum, which
@@ -188,15 +191,18 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         """Also drops the kept outputs of forward passes that were never back-propagated."""
         super().zero_grad(set_to_none=set_to_none)
         self._outputs = []
+        self._output_hooks = []
 
     def del_grad_sample(self) -> None:
         """Removes per-sample norms, pass counters and kept outputs (see ``gsm_base``)."""
         super().del_grad_sample()
         self._outputs = []
+        self._output_hooks = []
 
     def cleanup(self) -> None:
         super().cleanup()
         self._outputs.clear()
+        self._output_hooks.clear()
         self._call_counts.clear()
         self._callers.clear()
         self._factors.clear()
@@ -218,6 +224,43 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
                 callers.append(module)
         if self._keep_output_edges:
             self._outputs.append(get_gradient_edge(_forward_output))
+
+    def _hook_output_grad(self, module: nn.Module, hooked: torch.Tensor, on_grad) -> None:
+        """Ghost's norm pass (:meth:`norm_backward`) stops at the hooked outputs' gradient
+        edges: autograd runs the tensor hooks of a node it stops at, not its node pre-hooks
+        (bk, one ordinary backward pass, uses those). The capture is a tensor hook, which
+        :meth:`norm_backward` moves after every other hook of its tensor (registered during or
+        after the forward pass: ``Tensor.register_hook``, ``retain_grad``, torch's
+        ``FlopCounterMode``) so that it sees the gradient the layer's backward gets; one
+        registered during the norm pass itself, after that, is refused."""
+        if not self._keep_output_edges:
+            super()._hook_output_grad(module, hooked, on_grad)
+            return
+        place: list = []
+        handle = hooked.register_hook(
+            partial(weak_method(self._last_tensor_hook, module), place, on_grad)
+        )
+        place.append(handle)
+        self._output_hooks.append(handle)
+
+    def _last_tensor_hook(self, module, place: list, on_grad, grad):
+        """The capture's tensor hook in the norm pass; ``place[0]`` its handle. Tensor hooks
+        run in the order of registration, each on the previous one's result, and the layer's
+        backward gets the last result: the norms must come from that one."""
+        if self.hooks_enabled and self.backward_hooks_enabled and place:
+            hooks = place[0].hooks_dict_ref()
+            keys = list(dict.__iter__(hooks)) if hooks is not None else []  # autograd's order
+            later = keys[keys.index(place[0].id) + 1:] if place[0].id in keys else []
+            if not all(_is_capture_tensor_hook(hooks[key]) for key in later):
+                raise ValueError(
+                    f"{self.module_name(module)} ({type(module).__name__}): a tensor hook "
+                    "(Tensor.register_hook) was registered on this layer's output during the "
+                    "backward pass. It runs after dptorch's per-sample capture hook and may "
+                    "change the gradient the layer's backward receives, which the per-sample "
+                    "norms would then not match (and their clipping would not bound each "
+                    "sample's contribution). Register it before the backward pass."
+                )
+        return on_grad(grad)
 
     def _refuse_if_batch_grad_not_a_sum(self, module: nn.Module) -> None:
         rule = rule_for(module)
@@ -356,6 +399,7 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         self._callers.clear()
         self._factors.clear()
         self._outputs.clear()
+        self._output_hooks.clear()
         self._publish_norms(norm_sq, rec.batch_size)
         self._after_norms(norm_sq, rec)
 
@@ -386,6 +430,8 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         as the hooked layers' outputs (their gradient edges), which fires the hooks (norms)
         without computing any weight gradient or touching ``p.grad``."""
         targets, self._outputs = self._outputs, []
+        hooks, self._output_hooks = self._output_hooks, []
+        _last_of_their_tensors(hooks)
         if not targets or not loss.requires_grad:
             return
         try:
@@ -459,6 +505,23 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         rec.clip_bound = self.clipping.snapshot() if bound is None else bound
         rec.grad_state = {id(p): grad_state(p) for p in self.trainable_parameters()}
         self.check_can_clip()
+
+
+def _is_capture_tensor_hook(hook) -> bool:
+    """Whether a tensor hook is a ghost capture hook (it returns ``None``)."""
+    return isinstance(hook, partial) and isinstance(hook.func, weak_method) and (
+        hook.func.__func__ is GradSampleModuleFastGradientClipping._last_tensor_hook
+    )
+
+
+def _last_of_their_tensors(handles: list) -> None:
+    """Moves the tensor hooks ``handles`` after every other hook of their tensors (removed and
+    inserted again: autograd calls a tensor's hooks in the order of its dict's storage, which
+    ``OrderedDict.move_to_end`` does not change)."""
+    for handle in handles:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and len(hooks) > 1 and handle.id in hooks:
+            hooks[handle.id] = hooks.pop(handle.id)
 
 
 class GradSampleHooksFastGradientClipping(GradSampleModuleFastGradientClipping):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import weakref
 from abc import ABC, abstractmethod
 from functools import partial
 
@@ -162,6 +164,66 @@ def forbid_accumulation_hook(module: nn.Module, _input: object) -> None:
                 "optimizer.step() after every forward/backward pass or consider using "
                 "BatchMemoryManager"
             )
+
+
+class weak_method:
+    """A hook calling the bound method ``method`` with ``args`` first, holding the method's
+    object (a GradSampleModule) and the arguments that are modules or parameters weakly.
+
+    A hook on a tensor, an autograd node or a parameter that held them strongly would close a
+    reference cycle through autograd (the module holds its parameters, or a tensor its forward
+    kept on it, and those hold their hooks) that Python's garbage collector cannot see: the
+    model would never be freed. Once one of them is gone the hook does nothing (nothing can
+    release a gradient through a module that no longer exists). ``__self__`` is the object, for
+    :func:`wrapper_hooks_in`."""
+
+    __slots__ = ("_method", "_args", "__weakref__")
+
+    def __init__(self, method, *args):
+        self._method = weakref.WeakMethod(method)
+        self._args = tuple(
+            (True, weakref.ref(a)) if isinstance(a, (nn.Module, nn.Parameter)) else (False, a)
+            for a in args
+        )
+
+    @property
+    def __self__(self):
+        method = self._method()
+        return None if method is None else method.__self__
+
+    @property
+    def __func__(self):
+        method = self._method()
+        return None if method is None else method.__func__
+
+    def __call__(self, *rest):
+        method = self._method()
+        if method is None:
+            return None
+        args = []
+        for weak, a in self._args:
+            if weak:
+                a = a()
+                if a is None:
+                    return None
+            args.append(a)
+        return method(*args, *rest)
+
+    def __deepcopy__(self, memo):
+        """The same hook on the copies (``copy.deepcopy`` of a wrapped model: its hooks hold
+        the copied GradSampleModule, as a bound method would)."""
+        new = weak_method.__new__(weak_method)
+        method = self._method()
+        args = [a() if weak else a for weak, a in self._args]
+        if method is None or any(weak and a is None for (weak, _), a in zip(self._args, args)):
+            new._method, new._args = self._method, self._args  # dead: stays dead
+            return new
+        new._method = weakref.WeakMethod(copy.deepcopy(method, memo))
+        new._args = tuple(
+            (True, weakref.ref(copy.deepcopy(a, memo))) if weak else (False, copy.deepcopy(a, memo))
+            for (weak, _), a in zip(self._args, args)
+        )
+        return new
 
 
 def _hook_owner(fn: object) -> object | None:

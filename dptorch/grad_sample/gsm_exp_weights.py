@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
 from ..validators.errors import UnsupportedModuleError
 from .grad_sample_module import infer_batch_size
-from .gsm_base import AbstractGradSampleModule
+from .gsm_base import AbstractGradSampleModule, weak_method
 from .unit_params import trainable_signature, trainable_units, unit_parameters
 from .use_trace import check_structure, tensors_in
 
@@ -270,26 +268,32 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
         out = output if isinstance(output, torch.Tensor) else None
         if out is None or not out.requires_grad:
             return
+        # this object and the module weakly (weak_method): a module that keeps its output on
+        # itself would otherwise be held by its own graph, a cycle the garbage collector does
+        # not see
         if self._empty_forward:
-            out.register_hook(partial(self._on_unit_backprops, None, module))
+            out.register_hook(weak_method(self._on_unit_backprops, module, None, None))
             return
-        padding = None
         if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            padding = (module, args[0].detach())
-        out.register_hook(partial(self._on_unit_backprops, padding, None))
+            out.register_hook(
+                weak_method(self._on_unit_backprops, None, module, args[0].detach())
+            )
+        else:
+            out.register_hook(weak_method(self._on_unit_backprops, None, None, None))
         if out._is_view():
             # a view made inside ExpandedWeights' Function (a Linear on (B, T, d)) cannot be
             # modified in place (nn.ReLU(inplace=True), h += x): the layer returns a copy
             return out.clone()
         return None
 
-    def _on_unit_backprops(self, padding, empty_unit: nn.Module | None, grad: torch.Tensor) -> None:
+    def _on_unit_backprops(
+        self, empty_unit: nn.Module | None, module: nn.Module | None, ids, grad: torch.Tensor
+    ) -> None:
         if empty_unit is not None:
             self._empty_units.append(empty_unit)
-        elif padding is not None:
+        elif ids is not None:
             # ExpandedWeights adds the output gradient at padding positions to the padding row;
             # remember that contribution to subtract it at the end of the pass.
-            module, ids = padding
             scale = grad.shape[0] if self.loss_reduction == "mean" else 1
             mask = (ids == module.padding_idx).to(grad.dtype).unsqueeze(-1)
             corr = (grad * mask).reshape(grad.shape[0], -1, grad.shape[-1]).sum(1) * scale

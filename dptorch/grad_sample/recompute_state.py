@@ -24,6 +24,26 @@ graph, not state: it is put back without a refusal (whether the loss uses it is 
 :mod:`dptorch.grad_sample.escapes`). An in-place update inside the recompute, which ``torch.func``
 refuses with a ``RuntimeError``, gives the same ``ValueError``.
 
+The guard sees the layer's own attributes only. A state kept elsewhere (a counter in a dict or
+in a plain Python object, a ``numpy`` scalar, a tensor a *parent* reassigns on the child after
+the call, the last output cached on the layer and read by its next call) changes the recompute
+just as well, and ghost clipping, whose norms come from the recompute and whose release comes
+from the real graph, would then release more than the clipping bound. So the recompute is also
+checked against the forward it must reproduce: when a hooked call of such a layer ends, a
+per-sample *fingerprint* of its first output is kept (:func:`forward_fingerprint`: each sample's
+output norm and its projections on four fixed pseudo-random directions, ``O(B)`` memory whatever
+the output's size, no copy of the output kept alive); the ``torch.func`` recompute, which runs on
+each sample's slice, returns the same fingerprint of its per-sample outputs, and any difference
+beyond round-off (:func:`check_recompute`; tolerances by precision: 1e-7 in float64, 1e-4 in
+float32, 1e-2 with TF32 or autocast, 5e-2 for 16-bit outputs) refuses the step before anything
+is released, naming the layer. Any change of a sample's output norm beyond the tolerance is
+found deterministically; a change that keeps every norm (a permutation, a rotation) is found
+unless it is orthogonal to all four directions, which has probability zero. The recompute then
+computes the forward's values; that it also computes the forward's *function* (its derivatives)
+is what the stateless-forward contract asks, and the states that break it in practice (counters,
+schedules, temperatures, caches) all show in the output. The fingerprint costs, per call of a
+layer without a grad sampler, one pass over its output in the forward and ``B × 5`` numbers.
+
 The same guard lets sparse embeddings (``nn.Embedding(sparse=True)``) be recomputed: their
 ``sparse`` flag is off during the recompute, which gives the same (dense) per-sample gradient.
 """
@@ -31,12 +51,17 @@ The same guard lets sparse embeddings (``nn.Embedding(sparse=True)``) be recompu
 from __future__ import annotations
 
 import contextlib
+import numbers
 import re
+import threading
 
 import torch
 from torch import nn
 
-__all__ = ["recompute_guard"]
+__all__ = [
+    "ForwardFingerprint", "check_recompute", "current_fingerprint", "forward_fingerprint",
+    "recompute_fingerprint", "recompute_guard", "run_with_fingerprint",
+]
 
 #: attributes every ``nn.Module`` has (``training``, its parameter, buffer and hook dictionaries)
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
@@ -55,7 +80,7 @@ def _snapshot(layer: nn.Module) -> list[tuple]:
                 continue
             if isinstance(v, torch.Tensor):
                 entries.append((m, path, "attribute", k, v, v._version))
-            elif isinstance(v, (int, float)):  # bool included
+            elif isinstance(v, numbers.Number):  # bool and numpy scalars included
                 entries.append((m, path, "attribute", k, v, None))
     return entries
 
@@ -128,3 +153,190 @@ def recompute_guard(layer: nn.Module, label: str):
             m.sparse = True
     if changed or error is not None:
         raise ValueError(_message(label, changed, error)) from error
+
+
+# ---------------------------------------------------------------------- the recompute's output
+#: number of pseudo-random directions of a fingerprint
+_K = 4
+_projections: dict[tuple, torch.Tensor] = {}
+_local = threading.local()
+
+
+class ForwardFingerprint:
+    """What a hooked call's first output was, per sample (see the module docstring):
+    ``values`` ``(B, K + 1)``: its projections on ``K`` fixed directions and its norm;
+    ``numel``: the elements per sample; ``tol``: the relative tolerance of its precision."""
+
+    __slots__ = ("module_id", "numel", "projection", "tol", "values")
+
+    def __init__(self, module_id: int, values: torch.Tensor, projection: torch.Tensor,
+                 tol: float):
+        self.module_id = module_id
+        self.values = values
+        #: the ``(numel, K)`` directions (shared with the cache: drawn outside ``vmap``)
+        self.projection = projection
+        self.numel = projection.shape[0]
+        self.tol = tol
+
+
+def _fdtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _projection(n: int, device: torch.device) -> torch.Tensor:
+    """``(n, K)`` fixed pseudo-random directions (standard normal entries), from a generator of
+    their own: the global random state (dropout, sampling) is not touched."""
+    dtype = _fdtype(device)
+    key = (n, device, dtype)
+    r = _projections.get(key)
+    if r is None:
+        gen = torch.Generator().manual_seed(0x5EED + n)
+        r = torch.randn(n, _K, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+        if len(_projections) >= 16:
+            _projections.pop(next(iter(_projections)))
+        _projections[key] = r
+    return r
+
+
+def _sample_fingerprint(o: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``(..., K + 1)``: the projections of the rows of ``o`` (``(..., n)``) on ``r`` and their
+    norms."""
+    o = o.to(r.dtype)
+    return torch.cat([o @ r, torch.linalg.vector_norm(o, dim=-1, keepdim=True)], dim=-1)
+
+
+def _tolerance(dtype: torch.dtype, device: torch.device, lossy: bool) -> float:
+    """The relative round-off allowed between a forward output and its recompute."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 5e-2
+    if lossy:  # autocast in the forward: its float32 output has 16-bit round-off
+        return 1e-2
+    if dtype == torch.float64:
+        return 1e-7
+    if torch.get_float32_matmul_precision() != "highest" or (device.type == "cuda" and (
+        torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+    )):
+        return 1e-2  # TF32 (the default for cuDNN convolutions)
+    return 1e-4
+
+
+def forward_fingerprint(module: nn.Module, out: torch.Tensor, bdim: int) -> ForwardFingerprint:
+    """The fingerprint of ``out`` (the first output of a hooked call of ``module``, batch in
+    dimension ``bdim``), taken when the call ends."""
+    with torch.no_grad(), torch.autocast(out.device.type, enabled=False):
+        o = out.detach().movedim(bdim, 0) if out.dim() > bdim else out.detach().reshape(1, -1)
+        o = o.flatten(1) if o.dim() > 1 else o.unsqueeze(1)
+        projection = _projection(o.shape[1], o.device)
+        values = _sample_fingerprint(o, projection)
+    lossy = _autocast_on(out.device.type)
+    return ForwardFingerprint(
+        id(module), values, projection, _tolerance(out.dtype, out.device, lossy)
+    )
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type) or torch.is_autocast_enabled("cpu")
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return torch.is_autocast_enabled()
+
+
+def run_with_fingerprint(fingerprint: ForwardFingerprint, on_grad, grad):
+    """Calls ``on_grad(grad)`` (the capture hook of a call) with ``fingerprint`` as the current
+    call's (:func:`current_fingerprint`): the per-sample recompute made inside checks its
+    output against it."""
+    prev = getattr(_local, "fingerprint", None)
+    _local.fingerprint = fingerprint
+    try:
+        return on_grad(grad)
+    finally:
+        _local.fingerprint = prev
+
+
+def current_fingerprint(layer: nn.Module) -> ForwardFingerprint | None:
+    """The fingerprint of the call of ``layer`` whose gradient is being processed, if any."""
+    fp = getattr(_local, "fingerprint", None)
+    return fp if fp is not None and fp.module_id == id(layer) else None
+
+
+def recompute_fingerprint(fingerprint: ForwardFingerprint, out: torch.Tensor, bdim: int,
+                          label: str) -> torch.Tensor:
+    """Inside the per-sample recompute (one sample's output ``out``, batch dimension ``bdim``
+    of size 1): its fingerprint, ``(K + 1,)``."""
+    o = out.detach()
+    o = o.movedim(bdim, 0) if o.dim() > bdim else o
+    o = o.reshape(-1)
+    if o.shape[0] != fingerprint.numel:
+        raise ValueError(
+            f"{label}: called again by torch.func for its per-sample gradients, the layer "
+            f"returned {o.shape[0]} elements per sample where its forward returned "
+            f"{fingerprint.numel}. " + _FIX
+        )
+    return _sample_fingerprint(o, fingerprint.projection)
+
+
+def check_recompute(
+    label: str, fingerprint: ForwardFingerprint, got: torch.Tensor, per_sample: tuple
+) -> tuple:
+    """``ValueError`` unless the recompute's per-sample fingerprints ``got`` (``(B, K + 1)``)
+    equal the forward's up to round-off; returns ``per_sample`` (the recompute's per-sample
+    gradients). This reads one boolean on the host (a synchronisation, on the torch.func path
+    only). While a CUDA graph is captured, where it cannot, the gradients of the samples that
+    differ are made NaN instead (never released as if they were clipped: a non-finite norm
+    drops the sample, a NaN gradient poisons the step visibly)."""
+    bad = _mismatch(fingerprint, got)
+    if bad is None:
+        raise ValueError(
+            f"{label}: the per-sample recompute returned {got.shape[0]} samples where the "
+            f"forward had {fingerprint.values.shape[0]}. " + _FIX
+        )
+    if _capturing(got.device):
+        rows = bad.any(dim=1)
+        return tuple(
+            torch.where(rows.view(-1, *([1] * (g.dim() - 1))), torch.nan, g) for g in per_sample
+        )
+    if not bool(bad.any()):
+        return per_sample
+    want = fingerprint.values
+    got = got.to(want.dtype).reshape(got.shape[0], -1)
+    norm = torch.maximum(want[:, -1], got[:, -1]).unsqueeze(1)
+    diff = (got - want).abs()
+    b = int(bad.any(dim=1).nonzero()[0])
+    rel = float((diff[b] / norm[b].clamp_min(torch.finfo(norm.dtype).tiny)).max())
+    raise ValueError(
+        f"{label}: its forward depends on state that changed between the forward pass and "
+        "the per-sample recompute: called again by torch.func on the same inputs and "
+        f"parameters (to get its per-sample gradients), it returned another output (sample "
+        f"{b}: relative difference {rel:.3g}, beyond round-off). The state may be a counter "
+        "or schedule the forward advances (in a dict, a numpy scalar, a Python object), a "
+        "tensor set on the layer after the call (by its parent), the previous call's output "
+        "cached on the layer and read by the next call, or an input modified in place "
+        "after the call. Its per-sample gradients would not be those of the released "
+        "gradient (grad_sample_mode='ghost' would release more than max_grad_norm). "
+        + _FIX
+    )
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _mismatch(fingerprint: ForwardFingerprint, got: torch.Tensor) -> torch.Tensor | None:
+    """``(B, K + 1)`` booleans: where ``got`` differs from the forward's fingerprint beyond
+    round-off (no host synchronisation); ``None`` if the shapes differ."""
+    want = fingerprint.values
+    got = got.to(want.dtype).reshape(got.shape[0], -1)
+    if got.shape != want.shape:
+        return None
+    norm = torch.maximum(want[:, -1], got[:, -1]).unsqueeze(1)
+    bound = fingerprint.tol * norm
+    bound = torch.cat([bound.expand(-1, _K) * 8.0, bound], dim=1)  # projections: 8 sigma
+    return ((got - want).abs() > bound) | (~torch.isfinite(got) & torch.isfinite(want))
+
+
+_FIX = (
+    "Fix: make the layer's forward a function of its inputs and parameters (update counters, "
+    "schedules and caches between steps, pass per-call values as arguments), freeze the layer, "
+    "or register a grad sampler for it (dptorch.grad_sample.register_grad_sampler), which "
+    "works from the forward's own activations instead of calling the layer again."
+)

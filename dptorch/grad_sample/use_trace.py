@@ -39,6 +39,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .batch_axis import kept_axis, out_axis
+from .param_edges import next_sequence_nr
 
 __all__ = ["UseTrace", "mark_batched", "tensors_in"]
 
@@ -74,6 +75,14 @@ class _Call:
     batched: bool
     inputs: tuple = ()
     bdim: int = 0
+    #: sequence numbers: autograd nodes created during the call are numbered in [start, end)
+    start: int = 0
+    end: int | None = None
+    #: the edges ``(node, output_nr)`` whose gradient the capture hook of the call sees whole:
+    #: its first output's, and (hook on a view's base covering the same elements) the base's
+    exits: frozenset = frozenset()
+    #: memo of :meth:`UseTrace.leaks`: node -> whether a parameter is reachable from it
+    memo: dict | None = None
 
 
 #: ops whose result's rows depend on their position: they do not keep copies' rows equal (a
@@ -228,7 +237,7 @@ class UseTrace(TorchFunctionMode):
         want = self.bdim if bdim is None else bdim
         call = _Call(
             module, self.module_names.get(id(module), type(module).__name__), frozenset(sampled),
-            batched, tuple(tensors_in(inputs)), want,
+            batched, tuple(tensors_in(inputs)), want, next_sequence_nr() if sampled else 0,
         )
         self.calls[self._next] = call
         self.stack.append(self._next)
@@ -311,6 +320,9 @@ class UseTrace(TorchFunctionMode):
         call = self.calls[cid]
         self._last_exit = call.name
         first = next(tensors_in(output), None)
+        if call.sampled:
+            call.end = next_sequence_nr()
+            call.exits = _exit_edges(_hooked_first(output), call.start, expanded)
         if call.batched:  # ops inside the call that the trace cannot see (custom Functions)
             # inputs that reach the batch only through copies or expanded tensors: expanded
             truly = any(id(t) in self.batched for t in call.inputs)
@@ -433,10 +445,11 @@ class UseTrace(TorchFunctionMode):
                     carried.add(cid)
             tag = self.tags.get(tid)
             if tag is not None:
-                escaped = tag[1] & self.ended
+                ended = tag[1] & self.ended
+                escaped = self.leaking(t, ended) if ended else ended
                 if escaped:
                     self._escaped(escaped)
-                carried |= tag[1] - escaped
+                carried |= tag[1] - ended
         if carried:
             for t in outs:
                 prev = self.tags.get(id(t))
@@ -516,6 +529,76 @@ class UseTrace(TorchFunctionMode):
             "a grad sampler for the module that uses it, or freeze the parameter."
         )
 
+    def leaking(self, t: torch.Tensor, cids: frozenset[int]) -> frozenset[int]:
+        """The ended calls among ``cids`` (calls that tagged ``t``) from whose parameters ``t``
+        gets a gradient other than through the call's first output. A tensor the call derived
+        from its first output (a layer returning ``(y, y.softmax(-1))``, a router's scores
+        computed from its logits) sends every gradient through that output, whose capture hook
+        sees it: exact, and the call is dropped from ``t``'s tag. Found by walking ``t``'s
+        autograd graph (see :meth:`_leaks`)."""
+        out = frozenset(c for c in cids if self._leaks(t, self.calls[c]))
+        if out != cids:
+            tid = id(t)
+            tag = self.tags.get(tid)
+            if tag is not None:
+                rest = tag[1] - (cids - out)
+                if rest:
+                    self.tags[tid] = (t, rest)
+                else:
+                    del self.tags[tid]
+        return out
+
+    @staticmethod
+    def _leaks(t: torch.Tensor, call: _Call) -> bool:
+        """Whether a sampled parameter of ``call`` is reachable in the autograd graph from
+        ``t`` without crossing one of the call's exit edges (its first output, the hooked
+        base): the walk visits the nodes created from the call's start on (older nodes are
+        the inputs' graphs, whose parameter uses belong to other calls), and counts an edge
+        into a parameter's ``AccumulateGrad`` from a node created during the call. Memoised
+        per call (each node is visited once per call, whatever the number of tensors)."""
+        node = t.grad_fn
+        if node is None:
+            return False
+        if (node, t.output_nr) in call.exits:
+            return False
+        if call.end is None:  # not a finished call: nothing to tell
+            return True
+        memo = call.memo
+        if memo is None:
+            memo = call.memo = {}
+        start, end, exits, sampled = call.start, call.end, call.exits, call.sampled
+        stack = [(node, False)]
+        while stack:
+            n, done = stack.pop()
+            if n in memo and not done:
+                continue
+            seq = n._sequence_nr()
+            if not done:
+                if seq < start:
+                    memo[n] = False
+                    continue
+                stack.append((n, True))
+                for nxt, idx in n.next_functions:
+                    if nxt is None or (nxt, idx) in exits or nxt in memo:
+                        continue
+                    if getattr(nxt, "variable", None) is None:
+                        stack.append((nxt, False))
+                continue
+            hit = False
+            for nxt, idx in n.next_functions:
+                if nxt is None or (nxt, idx) in exits:
+                    continue
+                var = getattr(nxt, "variable", None)
+                if var is not None:
+                    if seq < end and id(var) in sampled:
+                        hit = True
+                        break
+                elif memo.get(nxt, False):
+                    hit = True
+                    break
+            memo[n] = hit
+        return memo[node]
+
     def _escaped(self, cids: set[int]) -> None:
         for cid in cids:
             call = self.calls[cid]
@@ -547,6 +630,48 @@ class UseTrace(TorchFunctionMode):
                 "This model cannot get exact per-sample gradients as written; training it "
                 f"would release unclipped or wrong gradients:\n{lines}"
             )
+
+
+def _hooked_first(output) -> torch.Tensor | None:
+    """The output tensor whose gradient the capture hook takes: a tensor output, or the first
+    tensor of a tuple or list output (as ``GradSampleModule`` hooks it)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((v for v in output if isinstance(v, torch.Tensor)), None)
+    return None
+
+
+def _exit_edges(first: torch.Tensor | None, start: int, expanded: bool) -> frozenset:
+    """The autograd edges ``(node, output_nr)`` whose whole gradient the capture hook of a
+    call (nodes numbered from ``start``) sees: its first output's, and, where that output is a
+    view without overlap covering the whole of a contiguous base the call created (the hook is
+    then on the base), the base's. None when the call's output was expanded to the batch (the
+    hook is on the expanded tensor, which the call's own tensors do not go through)."""
+    if first is None or first.grad_fn is None or expanded:
+        return frozenset()
+    edges = {(first.grad_fn, first.output_nr)}
+    base = first._base if first._is_view() else None
+    if (
+        base is not None
+        and base.grad_fn is not None
+        and base.grad_fn._sequence_nr() >= start
+        and base.is_contiguous()
+        and base.numel() == first.numel()
+        and _non_overlapping(first)
+    ):
+        edges.add((base.grad_fn, base.output_nr))
+    return frozenset(edges)
+
+
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory (strides sorted, each step past the last)."""
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < span:
+            return False
+        span = stride * size
+    return True
 
 
 def check_structure(

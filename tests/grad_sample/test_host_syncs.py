@@ -35,6 +35,12 @@ _TRACE = f"{_DPTORCH}/grad_sample/use_trace.py"  # passes the model's own torch 
 _TORCH = f"{Path(torch.__file__).parent}/"
 
 
+#: dptorch's checks that read a value on the host outside a CUDA graph capture and take a
+#: sync-free path under capture (as Hugging Face's mask helpers): the torch.func recompute's
+#: comparison with the forward (a mismatching sample's gradient is made NaN under capture)
+_SKIPPED_UNDER_CAPTURE = {(f"{_DPTORCH}/grad_sample/recompute_state.py", "check_recompute")}
+
+
 class HostSyncs(TorchDispatchMode):
     """Records ``(op, dptorch frame)`` of every value-dependent op called from dptorch."""
 
@@ -55,7 +61,8 @@ class HostSyncs(TorchDispatchMode):
             frames = [f for f in traceback.extract_stack()
                       if f.filename != _TRACE and not f.filename.startswith(_TORCH)]
             frame = frames[-2] if len(frames) > 1 else None  # [-1]: this method
-            if frame is not None and frame.filename.startswith(_DPTORCH):
+            if frame is not None and frame.filename.startswith(_DPTORCH) and (
+                frame.filename, frame.name) not in _SKIPPED_UNDER_CAPTURE:
                 self.found.append((name, f"{frame.filename}:{frame.lineno}"))
         return func(*args, **kwargs)
 

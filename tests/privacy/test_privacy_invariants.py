@@ -68,7 +68,9 @@ class TwoOutputs(nn.Module):
 
     def forward(self, x):
         y = x @ self.weight
-        return y, torch.tanh(y)
+        # computed from the weight beside the first output (one derived from the first output,
+        # tanh(y), is exact: test_review_s8_grad2.py)
+        return y, torch.tanh(x @ self.weight)
 
 
 class UsesBothOutputs(nn.Module):
