@@ -39,7 +39,7 @@ from .recompute_state import forward_fingerprint, run_with_fingerprint
 from .registry import GRAD_SAMPLERS, replaced_forward
 from .step_record import PassRecord, StepRecord, register_record, unregister_record
 from .unit_params import own_parameters, sampled_parameters, trainable_signature, trainable_units
-from .use_trace import UseTrace, tensors_in
+from .use_trace import UseTrace, non_overlapping, tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -1213,21 +1213,11 @@ def _hookable(out: torch.Tensor, inputs, floor: int | None) -> torch.Tensor:
         or base.grad_fn is None
         or base.grad_fn._sequence_nr() < floor
         or not base.is_contiguous()
-        or not _non_overlapping(out)
+        or not non_overlapping(out)
         or any(base is t or base is t._base for t in tensors_in(inputs))
     ):
         return out
     return base
-
-
-def _non_overlapping(t: torch.Tensor) -> bool:
-    """Whether no two elements of ``t`` share memory (strides sorted, each step past the last)."""
-    span = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
-        if stride < span:
-            return False
-        span = stride * size
-    return True
 
 
 def _view_grad(on_grad, view: torch.Tensor, base_offset: int, grad: torch.Tensor):

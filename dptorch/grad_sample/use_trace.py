@@ -658,13 +658,13 @@ def _exit_edges(first: torch.Tensor | None, start: int, expanded: bool) -> froze
         and base.grad_fn._sequence_nr() >= start
         and base.is_contiguous()
         and base.numel() == first.numel()
-        and _non_overlapping(first)
+        and non_overlapping(first)
     ):
         edges.add((base.grad_fn, base.output_nr))
     return frozenset(edges)
 
 
-def _non_overlapping(t: torch.Tensor) -> bool:
+def non_overlapping(t: torch.Tensor) -> bool:
     """Whether no two elements of ``t`` share memory (strides sorted, each step past the last)."""
     span = 1
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):

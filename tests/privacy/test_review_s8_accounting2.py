@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import math
-import warnings
 
 import pytest
 import torch
@@ -14,6 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from dptorch import PrivacyEngine
+
+from .test_review_s8_accounting import _engine
 
 pytest.importorskip("dp_accounting")  # the independent reference (installed by setup.sh)
 from dp_accounting.pld import privacy_loss_distribution as pld  # noqa: E402
@@ -38,30 +39,16 @@ class _Listed(Sampler):
         self.epoch = epoch
 
 
-def _private(loader, **kw):
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    engine = PrivacyEngine(accountant="prv")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        m, o, dl = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-            poisson_sampling=False, **kw,
-        )
-    return engine, m, o, dl
-
-
 def _data():
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(N, 4, generator=g), torch.randint(0, 2, (N,), generator=g))
+    return TensorDataset(torch.randn(N, 3, generator=g), torch.randint(0, 2, (N,), generator=g))
 
 
 def test_an_aliased_index_is_a_repeated_record():
     """Index ``i - N`` names record ``i``: a batch ``[0, -16]`` holds record 0 twice (one step
     charged as a Gaussian of sensitivity 2C where 4C moves the sum: ε 10.0 reported, 24.4 by
     dp-accounting). Refused as a repeated index."""
-    _, m, o, dl = _private(DataLoader(_data(), batch_size=2, sampler=_Listed([0, -N, 1, 2])))
+    _, m, o, dl = _engine(DataLoader(_data(), batch_size=2, sampler=_Listed([0, -N, 1, 2])))
     with pytest.raises(ValueError, match="index 0"):
         for x, y in dl:
             o.zero_grad()
@@ -74,7 +61,7 @@ def test_an_aliased_index_is_a_repeated_record():
 
 
 def test_distinct_indices_are_accepted_and_charged_per_step():
-    engine, m, o, dl = _private(DataLoader(_data(), batch_size=2, sampler=_Listed([0, 1, 2, 3])))
+    engine, m, o, dl = _engine(DataLoader(_data(), batch_size=2, sampler=_Listed([0, 1, 2, 3])))
     for x, y in dl:
         o.zero_grad()
         nn.functional.cross_entropy(m(x), y).backward()
@@ -91,7 +78,7 @@ def test_the_checked_loader_keeps_the_users_sampler_batch_size_and_drop_last():
     the user's loader's (a fresh DataLoader gave a SequentialSampler, None, False)."""
     sampler = _Listed(range(N))
     user = DataLoader(_data(), batch_size=4, sampler=sampler, drop_last=True)
-    _, m, o, dl = _private(user)
+    _, m, o, dl = _engine(user)
     assert dl is not user  # the batches are checked
     assert dl.sampler is sampler and dl.batch_size == 4 and dl.drop_last is True
     dl.sampler.set_epoch(3)
@@ -106,9 +93,9 @@ def test_a_release_spanning_two_passes_is_refused_before_noise():
     last batch of one pass and the first of the next, where a record can appear twice (the
     review: ε 12.9 reported, 15.5 for that record by dp-accounting). Refused at ``step()``
     before any noise is drawn or any parameter changes."""
-    loader = DataLoader(TensorDataset(torch.randn(24, 4), torch.randint(0, 2, (24,))),
+    loader = DataLoader(TensorDataset(torch.randn(24, 3), torch.randint(0, 2, (24,))),
                         batch_size=8, shuffle=True)
-    engine, m, o, dl = _private(loader)
+    engine, m, o, dl = _engine(loader)
     m.allow_grad_accumulation()
     o.allow_grad_accumulation()
     before = [p.detach().clone() for p in m.parameters()]
@@ -124,7 +111,7 @@ def test_a_release_spanning_two_passes_is_refused_before_noise():
 def test_a_saved_fixed_size_history_loads_with_weights_only():
     """``torch.save({"history": accountant.history})`` then ``torch.load`` (weights_only, torch's
     default) failed on the history rows' class; it loads, and the rows stay fixed-size."""
-    engine, m, o, dl = _private(DataLoader(_data(), batch_size=4, shuffle=True))
+    engine, m, o, dl = _engine(DataLoader(_data(), batch_size=4, shuffle=True))
     for x, y in dl:
         o.zero_grad()
         nn.functional.cross_entropy(m(x), y).backward()
