@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections import defaultdict
 
 from _timing import emit, run_worker, single_threaded
@@ -192,7 +193,8 @@ def profile(workload: str, quick: bool, repeats: int) -> dict:
     cls = type(gsm)
     for name, key in (("_forward_hook", "fwd_hooks"), ("_on_backprops", "bwd_hooks"),
                       ("_end_of_backward", "end_of_pass"), ("_bk_forward", "bk_forward")):
-        setattr(gsm, name, tm.wrap(key, getattr(cls, name).__get__(gsm)))
+        # a bound method (the hooks hold it weakly, gsm_base.weak_method), timed
+        setattr(gsm, name, types.MethodType(tm.wrap(key, getattr(cls, name)), gsm))
     # instance-level forwards installed at wrapping time point at the bound method: reinstall
     gsm._remove_bk()
     gsm._install_bk()

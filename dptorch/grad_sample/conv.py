@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..utils import gemm
 from ..utils.tensor_utils import unfold_nd
 from .norm_samplers import (
     ParamDict,
@@ -87,7 +88,7 @@ def compute_conv_grad_sample(
         )  # (B, C_in * K, L)
         groups = layer.groups
         if groups == 1:
-            gs = torch.bmm(g, cols.transpose(1, 2))
+            gs = gemm.bmm_nt(g, cols)
         else:
             gs = torch.einsum(
                 "bgol,bgil->bgoi",

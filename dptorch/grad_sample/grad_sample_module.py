@@ -690,10 +690,17 @@ class GradSampleModule(AbstractGradSampleModule):
             # the base's offset, not the base: a hook holding its own tensor is a cycle that the
             # garbage collector does not see, and it would keep every step's graph alive
             on_grad = partial(_view_grad, on_grad, out.detach(), hooked.storage_offset())
-        if self._uses_functorch(module):  # its recompute must reproduce this output
+        # its recompute must reproduce this output
+        if self._uses_functorch(module) or self._fingerprint_output(module, activations, out, bdim):
             on_grad = partial(run_with_fingerprint, forward_fingerprint(module, out, bdim), on_grad)
         self._hook_output_grad(module, hooked, on_grad)
         return new_output
+
+    def _fingerprint_output(self, module, activations, out, bdim) -> bool:
+        """Whether a mode that recomputes ``module``'s forward outside torch.func (bk's clipped
+        sums) needs this call's output fingerprint (``out``: the first output, batch in
+        dimension ``bdim``; ``activations``: the positional inputs); none here."""
+        return False
 
     def _hook_output_grad(self, module: nn.Module, hooked: torch.Tensor, on_grad) -> None:
         """Has ``on_grad`` called with the gradient of ``hooked`` (``module``'s output, or the

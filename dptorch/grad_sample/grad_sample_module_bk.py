@@ -24,6 +24,25 @@ Both are active only while the hooks are (``disable_hooks()`` restores plain aut
 
 Per-layer clipping is supported (``max_grad_norm`` a list, one norm per trainable parameter): the
 factors are applied parameter by parameter.
+
+A layer whose rule has norms but no clipped sum of its own (``EmbeddingBag``, the normalisation
+layers, a user's rule registered with a norm function only) gets its clipped sum by calling its
+``forward`` again at the end of the pass (:func:`~.norm_samplers.generic_clipped_sum`), while its
+norms came from the forward's activations: a forward that depends on state (a counter, a
+schedule, a buffer it updates, a value its parent sets after the call) would make that recompute
+differentiate another function than the one whose norms were clipped. The recompute is guarded
+as ``torch.func``'s is (:mod:`~dptorch.grad_sample.recompute_state`): any change of the layer's
+state it makes, or any difference between its output and the forward's (a per-sample fingerprint
+taken in the forward, for the calls that may take this path only), refuses the step with
+``ValueError`` before anything is written to ``p.grad``.
+
+A user's gradient hook on a sampled parameter (``p.register_hook``) gets autograd's gradient of
+the batch, as in the other modes, and does not change what is released: a layer with an
+input-gradient-only forward whose parameter has such a hook runs its own forward instead (so that
+autograd computes the weight gradient the hook sees), and dptorch's hook, which replaces
+autograd's gradient by zeros, runs after every other hook of the parameter
+(:meth:`~GradSampleModuleBookKeeping._on_pass_start`). A hook registered on such a parameter
+between the forward and the backward pass, which autograd would call with ``None``, is refused.
 """
 
 from __future__ import annotations
@@ -36,9 +55,13 @@ import torch
 from torch import nn
 
 from .functorch import module_batch_first
-from .grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
+from .grad_sample_module_fast_gradient_clipping import (
+    GradSampleModuleFastGradientClipping,
+    _last_of_their_tensors,
+)
 from .gsm_base import weak_method
 from .norm_samplers import generic_clipped_sum, rows_scaled
+from .recompute_state import current_fingerprint, recompute_guard
 from .registry import derived, input_grad_only_forward, prefer_ghost, rule_for
 
 logger = logging.getLogger(__name__)
@@ -47,6 +70,15 @@ logger = logging.getLogger(__name__)
 def weighted_sum(c: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """``Σ_b c_b gs_b``: the clipped sum of an instantiated per-sample gradient ``(B, ...)``."""
     return torch.tensordot(c, gs, dims=1)
+
+
+def _recomputed(module: nn.Module, rule=None) -> bool:
+    """Whether bk forms ``module``'s clipped sum, on the norm path, by recomputing its forward
+    (:func:`~.norm_samplers.generic_clipped_sum`): its rule has ``norm_sq`` but neither
+    ``clipped_sum`` nor ``weighted_clipped_sum``."""
+    rule = rule_for(module) if rule is None else rule
+    return (rule is not None and rule.norm_sq is not None and rule.clipped_sum is None
+            and derived(rule, "weighted_clipped_sum") is None)
 
 
 # ----------------------------------------------------------------------------- the module
@@ -81,13 +113,20 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
 
     def __init__(self, m: nn.Module, **kwargs):
         self._bk_handles: list = []
+        #: ``id(p) -> (p, handle of bk's gradient hook on p)``
+        self._bk_param_hooks: dict[int, tuple[nn.Parameter, object]] = {}
+        #: ids of the parameters whose layers ran the input-gradient-only forward since the
+        #: last pass (autograd gives them no gradient: a user's hook on them would get ``None``)
+        self._input_grad_only_ran: set[int] = set()
         self._bk_overridden: list[nn.Module] = []
         self._no_autograd: set[int] = set()
         self._fallback: set[int] = set()
         self._reached: dict[int, nn.Parameter] = {}
         super().__init__(m, **kwargs)
         self._keep_output_edges = False  # no norm pass: one ordinary backward
-        self._records: list[tuple[nn.Module, list, torch.Tensor, dict | None, float]] = []
+        #: ``(module, activations, backprops, kwargs, scale, fingerprint)`` of every call whose
+        #: clipped sum is formed at the end of the pass
+        self._records: list[tuple] = []
         self._install_bk()
 
     def _check_contract(self, clipping) -> None:
@@ -109,9 +148,13 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             else:
                 plain |= {id(p) for p in params}
             for p in params:
+                if id(p) in self._bk_param_hooks:  # a parameter tied between layers: one hook
+                    continue
                 # weakly (a parameter's hook holding this object, which holds the module, which
                 # holds the parameter: a cycle the garbage collector does not see)
-                self._bk_handles.append(p.register_hook(weak_method(self._on_autograd_grad, p)))
+                handle = p.register_hook(weak_method(self._on_autograd_grad, p))
+                self._bk_handles.append(handle)
+                self._bk_param_hooks[id(p)] = (p, handle)
         # a parameter tied between the two kinds (an Embedding subclass with a forward of its
         # own and a Linear head) gets autograd's gradient from the first: that one is expected
         self._no_autograd -= plain
@@ -120,6 +163,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         for h in self._bk_handles:
             h.remove()
         self._bk_handles = []
+        self._bk_param_hooks = {}
         for module in self._bk_overridden:
             if "forward" in module.__dict__:
                 del module.forward
@@ -145,13 +189,32 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
 
     def _bk_forward(self, module, fn, n_inputs, original, *args, **kwargs):
         """``module``'s forward through its rule's input-gradient-only ``fn`` when called with
-        exactly the ``n_inputs`` positional inputs ``fn`` takes; otherwise the original forward,
-        whose parameter gradients the tensor hooks then zero (the layer is marked fallback)."""
+        exactly the ``n_inputs`` positional inputs ``fn`` takes and none of its parameters has a
+        gradient hook of the user's; otherwise the original forward, whose parameter gradients
+        the tensor hooks then zero (the layer is marked fallback)."""
         if self._active() and self.forward_hooks_enabled and module.training and torch.is_grad_enabled():
-            if not kwargs and len(args) == n_inputs:
+            params = self.sampled_params(module)
+            if not kwargs and len(args) == n_inputs and not self._user_hooked(params):
+                self._input_grad_only_ran.update(map(id, params))
                 return fn(module, *args)
-            self._fallback |= {id(p) for p in self.sampled_params(module)}
+            self._fallback |= {id(p) for p in params}
         return original(module, *args, **kwargs)
+
+    def _user_hooked(self, params) -> bool:
+        """Whether one of ``params`` has a gradient hook other than bk's own.
+
+        ``fn`` computes no weight gradient, so autograd would call such a hook with ``None``
+        (a ``TypeError`` in the user's ``lambda g: g * 2``). The other modes let autograd
+        compute the batch gradient, which the user's hook sees and may change, and release the
+        clipped per-sample sum whatever the hook returns; bk does the same for such a layer: its
+        original forward gives the hook autograd's gradient, dptorch's hook (moved after it,
+        :meth:`_on_pass_start`) replaces the result by zeros, and the clipped sum is added at the
+        end of the pass."""
+        for p in params:
+            hooks = p._backward_hooks
+            if hooks is not None and len(hooks) > (1 if id(p) in self._bk_param_hooks else 0):
+                return True
+        return False
 
     def _on_autograd_grad(self, p: nn.Parameter, grad: torch.Tensor):
         """Tensor hook: autograd computed a gradient for ``p``. It is replaced by zeros (the
@@ -170,11 +233,57 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         return torch.zeros_like(grad)
 
     def _on_pass_start(self) -> None:
-        if self.hooks_enabled and self.backward_hooks_enabled:
-            self.check_grads_untouched()
+        """Before any parameter gradient of the pass: ``p.grad`` is as the last clipped pass left
+        it, and bk's gradient hook of every parameter that has other hooks runs after them, so
+        that whatever they return is replaced by zeros (a hook's result is never released; a
+        user's hook registered after wrapping, before it, would otherwise run on those zeros
+        and could add to ``p.grad`` what no per-sample clipping bounds)."""
+        if not (self.hooks_enabled and self.backward_hooks_enabled):
+            return
+        self.check_grads_untouched()
+        ran, self._input_grad_only_ran = self._input_grad_only_ran, set()
+        hooked = [(p, h) for p, h in self._bk_param_hooks.values()
+                  if p._backward_hooks is not None and len(p._backward_hooks) > 1]
+        late = [p for p, _ in hooked if id(p) in ran and id(p) not in self._fallback]
+        if late:
+            raise ValueError(
+                f"{', '.join(self._param_name(p) for p in late[:4])}: a gradient hook "
+                "(register_hook) was registered on this parameter after the forward pass. In "
+                "grad_sample_mode='bk' the layer's forward computed no gradient for it (bk adds "
+                "the clipped per-sample sum at the end of the backward pass), so autograd would "
+                "call the hook with None. Register the hook before the forward pass: the layer "
+                "then lets autograd compute the batch gradient the hook sees, as the other modes "
+                "do (what is released is the clipped sum either way)."
+            )
+        _last_of_their_tensors([h for _, h in hooked])
+
+    def _drop_pass(self, pending: list[nn.Parameter]) -> None:
+        """Ends a refused pass (a ``ValueError`` raised during its backward and caught): what it
+        recorded (calls, norms, factors, call counts) is dropped too, or the next pass would add
+        the refused batch's ``(A, G)``, scaled by the next batch's clip factors, to its clipped
+        sums."""
+        super()._drop_pass(pending)
+        self._records = []
+        self._reached = {}
+        self._fallback = set()
+        self._input_grad_only_ran = set()
+        self._norm_sq = {}
+        self._factors.clear()
+        self._call_counts.clear()
+        self._callers.clear()
 
     # ------------------------------------------------------------------ capture
     def _use_norm_sampler(self, module, activations, backprops) -> bool:
+        if not self._norm_path(module, activations, backprops):
+            return False
+        # a clipped sum recomputed with nothing to check it against (the forward did not
+        # expect this path, :meth:`_fingerprint_output`): instantiated from the activations
+        return not (_recomputed(module) and current_fingerprint(module) is None)
+
+    def _norm_path(self, module, activations, backprops) -> bool:
+        """Whether this call's norms come from its rule's ``norm_sq`` (its clipped sum then
+        from ``(A, G)`` at the end of the pass) rather than from its instantiated per-sample
+        gradient (cost model below)."""
         if not super()._use_norm_sampler(module, activations, backprops):
             return False
         if not self._single_call(module):
@@ -191,7 +300,23 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         return kept > self.KEEP_RATIO * replaced
 
     def _record_call(self, module, activations, backprops, kwargs, scale: float = 1.0) -> None:
-        self._records.append((module, activations, backprops, kwargs, scale))
+        # the forward's fingerprint (set for the calls whose clipped sum may be a recompute)
+        self._records.append(
+            (module, activations, backprops, kwargs, scale, current_fingerprint(module))
+        )
+
+    def _fingerprint_output(self, module, activations, out, bdim) -> bool:
+        """Whether this call's clipped sum may be formed by recomputing the layer's forward
+        (:func:`_recomputed` and the norm path may be chosen for it in the backward pass): its
+        output's fingerprint is then kept, for the recompute to be checked against. The norm
+        path needs it (:meth:`_use_norm_sampler`), so the prediction may be generous, never
+        short; other layers pay nothing."""
+        rule = rule_for(module)
+        if not _recomputed(module, rule):
+            return False
+        if bdim != 0 or derived(rule, "factors") is not None:
+            return True  # batch-first inputs only below; a tied group may take the norm path
+        return self._norm_path(module, activations, out)
 
     def _keep_instantiated(self) -> bool:
         return True
@@ -231,9 +356,9 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 c = coef[id(p)][: gs.shape[0]].to(gs.dtype)
                 add(p, weighted_sum(c, gs))
                 del p._current_grad_sample
-        for module, activations, backprops, kwargs, scale in records:
+        for module, activations, backprops, kwargs, scale, fingerprint in records:
             for p, g in self._clipped_sum(
-                module, activations, backprops, kwargs, coef, b, scale
+                module, activations, backprops, kwargs, coef, b, scale, fingerprint
             ).items():
                 add(p, g)
         self._write_clipped_sums(list(sums.values()))
@@ -250,13 +375,19 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 g = g.view_as(p)
             if p.grad is None:
                 p.grad = g
+            elif p.grad.is_sparse:  # the zeros of a sparse layer's autograd gradient
+                p.grad = g + p.grad
             else:  # in place, as autograd accumulates: no second parameter-sized tensor
                 p.grad.add_(g)
 
-    def _clipped_sum(self, module, activations, backprops, kwargs, coef, b, scale=1.0) -> dict:
+    def _clipped_sum(self, module, activations, backprops, kwargs, coef, b, scale=1.0,
+                     fingerprint=None) -> dict:
         """``{p: Σ_b c_b ∇_p loss_b}`` of one recorded call (per-sample gradients ``scale``
         times those of ``(A, G)``): the rule's ``weighted_clipped_sum``, else its
-        ``clipped_sum`` of ``(A, c ⊙ G)``."""
+        ``clipped_sum`` of ``(A, c ⊙ G)``, else one vector-Jacobian product of ``c ⊙ G`` with
+        a recompute of the layer's forward, checked against the forward's ``fingerprint``
+        and under :func:`~.recompute_state.recompute_guard` (``ValueError`` if the forward
+        depends on state)."""
         params = self.sampled_params(module)
         groups: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
         for p in params:  # parameters sharing a factor tensor are summed in one call
@@ -282,13 +413,23 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             elif fn is not None:
                 res = fn(module, activations, rows_scaled(backprops, c))
             else:
+                label = f"{self.module_name(module)} ({type(module).__name__})"
+                if fingerprint is None:  # _use_norm_sampler takes this path only with one
+                    raise ValueError(
+                        f"{label}: internal error, its clipped sum would be recomputed without "
+                        "the forward's fingerprint to check it against. Please report it; "
+                        "grad_sample_mode='hooks' computes this layer's per-sample gradients "
+                        "from its activations."
+                    )
                 self._in_functorch = True
                 try:
-                    res = generic_clipped_sum(
-                        module, activations, rows_scaled(backprops, c), kwargs,
-                        batch_first=module_batch_first(module, self.batch_first),
-                        params=self._sampled.get(id(module)),
-                    )
+                    with recompute_guard(module, label, batched=True):
+                        res = generic_clipped_sum(
+                            module, activations, rows_scaled(backprops, c), kwargs,
+                            batch_first=module_batch_first(module, self.batch_first),
+                            params=self._sampled.get(id(module)),
+                            fingerprint=fingerprint, label=label,
+                        )
                 finally:
                     self._in_functorch = False
             for p in ps:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from functools import partial
 
 import torch
 from torch import nn
@@ -34,6 +33,7 @@ from ..clipping import ClippingContract
 from ..utils.fsdp_utils import reduce_scatter_sum
 from .grad_sample_module_bk import GradSampleModuleBookKeeping
 from .grad_sample_module_fast_gradient_clipping_fsdp import FSDPParamsMixin, _fsdp_init
+from .gsm_base import weak_method
 from .registry import rule_for
 
 __all__ = ["GradSampleHooksBookKeepingFSDP", "GradSampleModuleBookKeepingFSDP"]
@@ -101,9 +101,13 @@ class GradSampleModuleBookKeepingFSDP(FSDPParamsMixin, GradSampleModuleBookKeepi
         if id(unsharded) in self._hooked_unsharded:
             return
         self._hooked_unsharded.add(id(unsharded))
-        self._bk_handles.append(
-            unsharded.register_hook(partial(self._on_autograd_grad, unsharded))
-        )
+        # weakly, as bk's hooks on the parameters: once autograd's nodes own the unsharded
+        # parameter (a tensor computed from it kept on the model), the collector does not see
+        # its hooks, and parameter -> hook -> this object -> module -> kept tensor -> parameter
+        # would be a cycle that is never freed
+        handle = unsharded.register_hook(weak_method(self._on_autograd_grad, unsharded))
+        self._bk_handles.append(handle)
+        self._bk_param_hooks[id(unsharded)] = (unsharded, handle)
         if id(sharded) in self._no_autograd:
             self._no_autograd.add(id(unsharded))
 
@@ -116,6 +120,10 @@ class GradSampleModuleBookKeepingFSDP(FSDPParamsMixin, GradSampleModuleBookKeepi
         if rule is None or rule.clipped_sum is None or not self._single_call(module):
             return False
         return super()._use_norm_sampler(module, activations, backprops)
+
+    def _fingerprint_output(self, module, activations, out, bdim) -> bool:
+        """No clipped sum is recomputed here (:meth:`_use_norm_sampler`): nothing to check."""
+        return False
 
     # ------------------------------------------------------------------ clipped sums
     @contextlib.contextmanager
@@ -136,9 +144,12 @@ class GradSampleModuleBookKeepingFSDP(FSDPParamsMixin, GradSampleModuleBookKeepi
             for name, cur in swapped:
                 _set_parameter(module, name, cur)
 
-    def _clipped_sum(self, module, activations, backprops, kwargs, coef, b, scale=1.0) -> dict:
+    def _clipped_sum(self, module, activations, backprops, kwargs, coef, b, scale=1.0,
+                     fingerprint=None) -> dict:
         with self._unsharded_on(module):
-            return super()._clipped_sum(module, activations, backprops, kwargs, coef, b, scale)
+            return super()._clipped_sum(
+                module, activations, backprops, kwargs, coef, b, scale, fingerprint
+            )
 
     def _write_clipped_sums(self, sums: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         """One reduce-scatter (sum over the ranks) per trainable parameter, in the same order on

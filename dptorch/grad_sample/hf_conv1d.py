@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..utils import gemm
 from .linear import _gram_norms
 from .norm_samplers import (
     Factors,
@@ -78,7 +79,7 @@ def conv1d_clipped_sum(
     g = backprops.reshape(-1, layer.nf)
     ret: ParamDict = {}
     if wants_grad(layer.weight):
-        ret[layer.weight] = a.t().mm(g)
+        ret[layer.weight] = gemm.mm_tn(a, g)
     if wants_grad(layer.bias):
         ret[layer.bias] = g.sum(0)
     return ret
@@ -94,7 +95,7 @@ def conv1d_weighted_clipped_sum(
     ret: ParamDict = {}
     if wants_grad(layer.weight):
         ac, gc = clip_weighted_pair(a, g, c)
-        ret[layer.weight] = ac.reshape(-1, layer.nx).t().mm(gc.reshape(-1, layer.nf))
+        ret[layer.weight] = gemm.mm_tn(ac.reshape(-1, layer.nx), gc.reshape(-1, layer.nf))
     if wants_grad(layer.bias):
         ret[layer.bias] = c.matmul(position_sum(g))
     return ret

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..utils import gemm
 from .norm_samplers import (
     Factors,
     ParamDict,
@@ -133,7 +134,7 @@ def linear_clipped_sum(
     g = backprops.reshape(-1, layer.out_features)
     ret: ParamDict = {}
     if wants_grad(layer.weight):
-        ret[layer.weight] = g.t().mm(a)
+        ret[layer.weight] = gemm.mm_tn(g, a)
     if wants_grad(layer.bias):
         ret[layer.bias] = g.sum(0)
     return ret
@@ -150,8 +151,8 @@ def linear_weighted_clipped_sum(
     ret: ParamDict = {}
     if wants_grad(layer.weight):
         a, gc = clip_weighted_pair(activations[0].reshape(b, t, layer.in_features), g, c)
-        ret[layer.weight] = gc.reshape(-1, layer.out_features).t().mm(
-            a.reshape(-1, layer.in_features)
+        ret[layer.weight] = gemm.mm_tn(
+            gc.reshape(-1, layer.out_features), a.reshape(-1, layer.in_features)
         )
     if wants_grad(layer.bias):
         ret[layer.bias] = c.matmul(position_sum(g))

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..utils import gemm
+from .recompute_state import ForwardFingerprint, check_batch_recompute
 from .unit_params import unit_parameters
 
 ParamDict = dict[nn.Parameter, torch.Tensor]
@@ -85,7 +87,7 @@ def gram(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
     overflow. (torch's float32-output ``bmm(..., out_dtype=)`` for narrow operands, CUDA only,
     was measured on an H100: no faster on GPT-2's step than the copies.)"""
     y = x if y is None else y
-    return torch.bmm(widened(x), widened(y).transpose(1, 2))
+    return gemm.bmm_nt(widened(x), widened(y))
 
 
 def l2_norms(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
@@ -186,11 +188,22 @@ def generic_clipped_sum(
     layer: nn.Module, activations: Sequence, backprops: torch.Tensor, kwargs: dict | None = None,
     batch_first: bool = True,
     params: Sequence[tuple[str, nn.Parameter]] | None = None,
+    fingerprint: ForwardFingerprint | None = None,
+    label: str | None = None,
 ) -> ParamDict:
     """``Σ_b grad_b`` of any layer: recomputes its ``forward`` (not its own hooks) on the
     captured inputs and takes one vector-Jacobian product with ``backprops`` (batch-first; moved
     back for ``batch_first=False``), w.r.t. the layer's own trainable parameters (or the named
     ``params`` it samples).
+
+    The recompute is the forward call only if the forward is a function of its inputs and
+    parameters. With ``fingerprint`` (that of the forward call's first output,
+    :func:`~dptorch.grad_sample.recompute_state.forward_fingerprint`), the recomputed output is
+    checked against it sample by sample, and ``ValueError`` naming the layer (``label``) is
+    raised where it differs (:func:`~dptorch.grad_sample.recompute_state.check_batch_recompute`);
+    the caller also runs this under
+    :func:`~dptorch.grad_sample.recompute_state.recompute_guard`, which refuses a recompute that
+    changes the layer's state.
     """
     if params is None:
         params = unit_parameters(layer)
@@ -208,4 +221,9 @@ def generic_clipped_sum(
         if isinstance(out, (tuple, list)):
             out = out[0]
         grads = torch.autograd.grad(out, params, backprops, allow_unused=True)
-    return {p: (g if g is not None else torch.zeros_like(p)) for p, g in zip(params, grads)}
+    sums = {p: (g if g is not None else torch.zeros_like(p)) for p, g in zip(params, grads)}
+    if fingerprint is not None:
+        sums = check_batch_recompute(
+            label or type(layer).__name__, fingerprint, out, 0 if batch_first else 1, sums
+        )
+    return sums

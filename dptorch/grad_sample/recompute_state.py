@@ -44,6 +44,15 @@ is what the stateless-forward contract asks, and the states that break it in pra
 schedules, temperatures, caches) all show in the output. The fingerprint costs, per call of a
 layer without a grad sampler, one pass over its output in the forward and ``B × 5`` numbers.
 
+Book-keeping clipping (``grad_sample_mode="bk"``) recomputes a forward too: a layer whose rule
+has per-sample norms but no clipped sum (``EmbeddingBag``, the normalisation layers, a user's
+rule registered with a norm function only) gets its clipped sum from one vector-Jacobian product
+with a *batched* recompute at the end of the backward pass, while its norms came from the
+forward's activations. Both guards apply to it: :func:`recompute_guard` (``batched=True``) around
+it, and :func:`check_batch_recompute`, which compares every sample's row of the recomputed
+output with the fingerprint of the forward's (taken, in bk, only for the calls that may take
+this path).
+
 The same guard lets sparse embeddings (``nn.Embedding(sparse=True)``) be recomputed: their
 ``sparse`` flag is off during the recompute, which gives the same (dense) per-sample gradient.
 """
@@ -59,8 +68,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "ForwardFingerprint", "check_recompute", "current_fingerprint", "forward_fingerprint",
-    "recompute_fingerprint", "recompute_guard", "run_with_fingerprint",
+    "ForwardFingerprint", "check_batch_recompute", "check_recompute", "current_fingerprint",
+    "forward_fingerprint", "recompute_fingerprint", "recompute_guard", "run_with_fingerprint",
 ]
 
 #: attributes every ``nn.Module`` has (``training``, its parameter, buffer and hook dictionaries)
@@ -105,32 +114,50 @@ def _restore(entries: list[tuple]) -> list[str]:
     return changed
 
 
-def _message(label: str, changed: list[str], error: Exception | None = None) -> str:
+def _message(label: str, changed: list[str], error: Exception | None = None,
+             batched: bool = False) -> str:
     text = f"{error} {error.__cause__}" if error is not None else ""
     op = re.search(r"in-place operation \(([^)]*)\)", text)
     what = f" ({', '.join(changed[:4])})" if changed else (
         f" (an in-place update{f' ({op.group(1)})' if op else ''} of a buffer or attribute)"
     )
+    if batched:
+        why = (
+            "Its layer rule has per-sample norms but no clipped sum, so grad_sample_mode='bk' "
+            "forms its clipped sum by calling its forward again at the end of the backward "
+            "pass, and that second call sees (and makes) another state than the forward did: "
+            "the clipped sum would not be that of the gradients whose norms were clipped, and "
+            "could exceed max_grad_norm per sample. Fix: keep such state out of trainable "
+            "layers' forward (update it between steps), freeze the layer, give its rule a "
+            "clipped_sum (dptorch.grad_sample.register_layer_rule), which works from the "
+            "forward's own activations, or use grad_sample_mode='hooks'."
+        )
+    else:
+        why = (
+            "This layer has no grad sampler, so dptorch gets its per-sample gradients by calling "
+            "its forward again with torch.func in the backward pass, and that second call sees "
+            "(and makes) another state than the forward did: its per-sample gradients would not "
+            "be those of the released gradient. Fix: keep such state out of trainable layers' "
+            "forward (update it between steps), freeze the layer, or register a grad sampler for "
+            "it (dptorch.grad_sample.register_grad_sampler), which works from the forward's own "
+            "activations."
+        )
     return (
-        f"{label}: its forward changes the layer's state{what}. This layer has no grad sampler, "
-        "so dptorch gets its per-sample gradients by calling its forward again with torch.func "
-        "in the backward pass, and that second call sees (and makes) another state than the "
-        "forward did (torch.nn.utils.parametrizations.spectral_norm in training mode runs one "
-        "more power iteration): its per-sample gradients would not be those of the released "
-        "gradient. Fix: keep such state out of trainable layers' forward (update it between "
-        "steps), freeze the layer, or register a grad sampler for it "
-        "(dptorch.grad_sample.register_grad_sampler), which works from the forward's own "
-        "activations. For spectral_norm: put the parametrization in eval mode during the step "
+        f"{label}: its forward changes the layer's state{what}. {why} "
+        "(torch.nn.utils.parametrizations.spectral_norm in training mode runs one more power "
+        "iteration: put the parametrization in eval mode during the step "
         "(layer.parametrizations.weight[0].eval() after model.train()), which keeps u and v "
-        "fixed, and run the power iterations between steps."
+        "fixed, and run the power iterations between steps.)"
     )
 
 
 @contextlib.contextmanager
-def recompute_guard(layer: nn.Module, label: str):
-    """Runs a ``torch.func`` recompute of ``layer`` (named ``label`` in messages): sparse
-    embeddings are recomputed dense, and ``ValueError`` is raised if the recompute changed the
-    layer's state (see the module docstring)."""
+def recompute_guard(layer: nn.Module, label: str, *, batched: bool = False):
+    """Runs a recompute of ``layer``'s forward (named ``label`` in messages): ``torch.func``'s
+    per-sample one, or with ``batched`` bk's batched one of a clipped sum
+    (:func:`~dptorch.grad_sample.norm_samplers.generic_clipped_sum`). Sparse embeddings are
+    recomputed dense, and ``ValueError`` is raised if the recompute changed the layer's state
+    (see the module docstring)."""
     sparse = [
         m for m in layer.modules()
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
@@ -152,7 +179,7 @@ def recompute_guard(layer: nn.Module, label: str):
         for m in sparse:
             m.sparse = True
     if changed or error is not None:
-        raise ValueError(_message(label, changed, error)) from error
+        raise ValueError(_message(label, changed, error, batched)) from error
 
 
 # ---------------------------------------------------------------------- the recompute's output
@@ -297,24 +324,84 @@ def check_recompute(
         )
     if not bool(bad.any()):
         return per_sample
+    raise ValueError(_changed_output_message(label, fingerprint, got, bad, _PER_SAMPLE))
+
+
+#: what the recompute is, what a difference would do, and the fix, in the messages of
+#: :func:`check_recompute`
+_PER_SAMPLE = (
+    "the per-sample recompute: called again by torch.func on the same inputs and parameters "
+    "(to get its per-sample gradients)",
+    "Its per-sample gradients would not be those of the released gradient "
+    "(grad_sample_mode='ghost' would release more than max_grad_norm).",
+    None,
+)
+#: ... and of :func:`check_batch_recompute`
+_BATCHED = (
+    "the recompute of its clipped sum: called again at the end of the backward pass on the "
+    "same inputs and parameters (its layer rule has per-sample norms but no clipped sum, so "
+    "grad_sample_mode='bk' forms its clipped sum from that call, its norms from the forward's "
+    "activations)",
+    "The clipped sum would not be that of the gradients whose norms were clipped, and could "
+    "exceed max_grad_norm per sample.",
+    "Fix: make the layer's forward a function of its inputs and parameters (update counters, "
+    "schedules and caches between steps, pass per-call values as arguments), freeze the layer, "
+    "give its rule a clipped_sum (dptorch.grad_sample.register_layer_rule), which works from "
+    "the forward's own activations instead of calling the layer again, or use "
+    "grad_sample_mode='hooks'.",
+)
+
+
+def _changed_output_message(label: str, fingerprint: ForwardFingerprint, got: torch.Tensor,
+                            bad: torch.Tensor, what: tuple) -> str:
+    """The refusal of a recompute whose per-sample fingerprints ``got`` (``(B, K + 1)``) differ
+    from the forward's where ``bad`` (``(B, K + 1)`` booleans) says (one host read)."""
     want = fingerprint.values
     got = got.to(want.dtype).reshape(got.shape[0], -1)
     norm = torch.maximum(want[:, -1], got[:, -1]).unsqueeze(1)
     diff = (got - want).abs()
     b = int(bad.any(dim=1).nonzero()[0])
     rel = float((diff[b] / norm[b].clamp_min(torch.finfo(norm.dtype).tiny)).max())
-    raise ValueError(
+    return (
         f"{label}: its forward depends on state that changed between the forward pass and "
-        "the per-sample recompute: called again by torch.func on the same inputs and "
-        f"parameters (to get its per-sample gradients), it returned another output (sample "
-        f"{b}: relative difference {rel:.3g}, beyond round-off). The state may be a counter "
-        "or schedule the forward advances (in a dict, a numpy scalar, a Python object), a "
-        "tensor set on the layer after the call (by its parent), the previous call's output "
-        "cached on the layer and read by the next call, or an input modified in place "
-        "after the call. Its per-sample gradients would not be those of the released "
-        "gradient (grad_sample_mode='ghost' would release more than max_grad_norm). "
-        + _FIX
+        f"{what[0]}, it returned another output (sample {b}: relative difference {rel:.3g}, "
+        "beyond round-off). The state may be a counter or schedule the forward advances (in a "
+        "dict, a numpy scalar, a Python object), a tensor set on the layer after the call (by "
+        "its parent), the previous call's output cached on the layer and read by the next "
+        f"call, or an input modified in place after the call. {what[1]} " + (what[2] or _FIX)
     )
+
+
+def check_batch_recompute(
+    label: str, fingerprint: ForwardFingerprint, out: torch.Tensor, bdim: int, sums: dict
+) -> dict:
+    """Checks a *batched* recompute of a hooked call against the forward it must reproduce:
+    ``out`` is the recomputed first output (``B`` samples in dimension ``bdim``), whose
+    per-sample rows must have the fingerprint the forward's had (``fingerprint.values``,
+    ``(B, K + 1)``) up to round-off; ``ValueError`` (naming the layer ``label``) otherwise, or
+    if ``out`` has another number of samples or of elements per sample. Returns ``sums`` (the
+    recompute's results, e.g. ``{param: clipped sum}``) unchanged; while a CUDA graph is
+    captured, where the check cannot read the host, every tensor of ``sums`` is made NaN if any
+    sample differs (never released as if it were clipped)."""
+    o = out.detach()
+    o = o.movedim(bdim, 0) if o.dim() > bdim else o.reshape(1, -1)
+    rows = o.shape[0]
+    o = o.reshape(rows, -1)
+    if o.shape[1] != fingerprint.numel or rows != fingerprint.values.shape[0]:
+        raise ValueError(
+            f"{label}: called again at the end of the backward pass to form its clipped sum, "
+            f"the layer returned {rows} samples of {o.shape[1]} elements where its forward "
+            f"returned {fingerprint.values.shape[0]} of {fingerprint.numel}. " + _BATCHED[2]
+        )
+    with torch.no_grad(), torch.autocast(o.device.type, enabled=False):
+        got = _sample_fingerprint(o, fingerprint.projection)
+    bad = _mismatch(fingerprint, got)
+    if _capturing(got.device):
+        poisoned = bad.any()
+        return {k: torch.where(poisoned, torch.nan, v) for k, v in sums.items()}
+    if bool(bad.any()):
+        raise ValueError(_changed_output_message(label, fingerprint, got, bad, _BATCHED))
+    return sums
 
 
 def _capturing(device: torch.device) -> bool:

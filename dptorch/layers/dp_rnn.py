@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
+from ..utils import gemm
 from .param_rename import RenameParamsMixin
 
 State = tuple[torch.Tensor, ...]
@@ -632,6 +633,8 @@ def _lstm_values(
         reverse=reverse,
     )
     w_t = v.w_hh.t().to(xi.dtype)  # under autocast the recurrence runs in xi's precision
+    fast = gemm.onednn_applies(xi, w_t) and b * h_size * g4 >= gemm.MIN_MACS
+    w_hh, lp = w_t.t(), torch.ops.mkldnn._linear_pointwise
     v.cs[t_len if reverse else 0] = c0
     h = h0.to(xi.dtype)
     for t in range(t_len - 1, -1, -1) if reverse else range(t_len):
@@ -639,7 +642,10 @@ def _lstm_values(
         v.hprev[:, t] = h
         c = v.cs[read]
         pre = v.pre[:, t]
-        pre.addmm_(h, w_t)  # xi_t + b_hh + W_hh h_{t-1}
+        if fast:  # xi_t + b_hh + W_hh h_{t-1}
+            pre.copy_(lp.binary(h, pre, w_hh, None, "add"))
+        else:
+            pre.addmm_(h, w_t)
         a = v.gates[:, t]
         torch.sigmoid(pre.view(b, 4, h_size), out=a)
         i, f, g, o = a.unbind(1)
@@ -655,6 +661,71 @@ def _lstm_values(
     v.pre.sub_(xi)
     v.h_n, v.c_n = h.clone(), v.cs[0 if reverse else t_len].clone()
     return v
+
+
+def _native_values_apply(cell: DPLSTMCell, x: torch.Tensor, xi: torch.Tensor) -> bool:
+    """Whether :func:`_lstm_values_native` can give the values: a CPU float32/float64 input of
+    the weights' dtype, outside autocast."""
+    dtype = cell.hh.weight.dtype
+    return (
+        x.device.type == "cpu"
+        and dtype in (torch.float32, torch.float64)
+        and x.dtype == xi.dtype == cell.ih.weight.dtype == dtype
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+@torch.no_grad()
+def _lstm_values_native(
+    cell: DPLSTMCell, x: torch.Tensor, xi: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor
+) -> _LSTMValues | None:
+    """:func:`_lstm_values` of a forward direction without mask, from torch's fused kernel:
+    ``torch.lstm`` (oneDNN on a CPU, the kernel of ``nn.LSTM``) runs the recurrence on ``x``
+    ``(B, T, I)`` and gives every state ``h_t``; the rest is batched over the sequence: the
+    hidden projections ``W_hh h_{t-1} + b_hh`` ``(B, T, 4H)`` in one product, the gates, and the
+    cell states by a scan ``c_t = f_t c_{t-1} + i_t g_t`` (one fused op per step). The values
+    are those of the step-by-step loop up to round-off; the backward and the per-sample
+    gradients use these, so norms and clipped sums stay consistent with each other. ``None``
+    where the kernel's states are not those of ``xi`` (``h_t = o_t tanh(c_t)`` checked)."""
+    b, t_len, g4 = xi.shape
+    h_size = g4 // 4
+    w_ih, w_hh = cell.ih.weight.detach(), cell.hh.weight.detach()
+    flat = [w_ih, w_hh]
+    if cell.ih.bias is not None:
+        flat += [cell.ih.bias.detach(), cell.hh.bias.detach()]
+    out, h_n, c_n = torch.lstm(
+        x, (h0.unsqueeze(0), c0.unsqueeze(0)), flat, cell.ih.bias is not None, 1, 0.0, False,
+        False, True,
+    )
+    hprev = xi.new_empty(b, t_len, h_size)
+    hprev[:, 0] = h0
+    hprev[:, 1:] = out[:, :-1]
+    pre = gemm.mm(hprev.view(-1, h_size), w_hh.t())
+    if cell.hh.bias is not None:
+        pre += cell.hh.bias.detach()
+    pre = pre.view(b, t_len, g4)
+    gates = torch.add(pre, xi).view(b, t_len, 4, h_size)  # in place from here: no fresh memory
+    g_act = _tanh(gates[:, :, 2], out=xi.new_empty(b, t_len, h_size))
+    gates.sigmoid_()
+    gates[:, :, 2] = g_act
+    i, f, g, _ = gates.unbind(2)
+    ig = torch.mul(i, g)
+    cs = xi.new_empty(t_len + 1, b, h_size)
+    cs[0] = c0
+    for t in range(t_len):
+        torch.addcmul(ig[:, t], f[:, t], cs[t], out=cs[t + 1])
+    tanh_c = xi.new_empty(t_len, b, h_size)
+    _tanh(cs[1:], out=tanh_c)
+    # the kernel computed its own ``W_ih x + b_ih``: if the layer call's ``xi`` differs (a hook
+    # changed it), the states are not those of ``xi``; the step-by-step loop then runs
+    tol = 1e-4 if xi.dtype == torch.float32 else 1e-9
+    if not torch.allclose(gates[:, :, 3] * tanh_c.transpose(0, 1), out, rtol=tol, atol=tol):
+        return None
+    return _LSTMValues(
+        out=out.contiguous(), hprev=hprev, pre=pre, cs=cs, gates=gates, tanh_c=tanh_c,
+        w_hh=w_hh, mask=None, reverse=False, h_n=h_n.squeeze(0),
+        c_n=cs[t_len].clone(),
+    )
 
 
 class _LSTMRecurrence(torch.autograd.Function):
@@ -714,6 +785,12 @@ class _LSTMRecurrence(torch.autograd.Function):
             dh = dh + d_out[:, steps[0]]
         dc = v.gates.new_zeros(b, h_size) if d_cn is None else d_cn
         w_hh = v.w_hh.to(coef.dtype)
+        fast = (
+            gemm.onednn_applies(w_hh, d_gates) and b * h_size * 4 * h_size >= gemm.MIN_MACS
+            and (d_out is None or gemm.onednn_applies(d_out))
+        )
+        if fast:  # dG_t W_hh + d_out as oneDNN's ``x wᵀ + other``, w = W_hhᵀ
+            w_t, lp = w_hh.t().contiguous(), torch.ops.mkldnn._linear_pointwise
         for k, t in enumerate(steps):
             dh_cell, dc_cell = dh, dc
             if v.mask is not None:
@@ -724,7 +801,12 @@ class _LSTMRecurrence(torch.autograd.Function):
             torch.mul(dh_cell, coef[:, t, 3], out=dg[:, 3])
             dc_next = dc_tot * f[t]
             if d_out is not None and k + 1 < t_len:
-                dh_next = torch.addmm(d_out[:, steps[k + 1]], dg.flatten(1), w_hh)
+                if fast:
+                    dh_next = lp.binary(dg.flatten(1), d_out[:, steps[k + 1]], w_t, None, "add")
+                else:
+                    dh_next = torch.addmm(d_out[:, steps[k + 1]], dg.flatten(1), w_hh)
+            elif fast:
+                dh_next = lp(dg.flatten(1), w_t, None, "none", [], "")
             else:
                 dh_next = dg.flatten(1).mm(w_hh)
             if v.mask is not None:
@@ -743,7 +825,11 @@ def _run_lstm(
     call on the whole sequence (``hh`` returning the values the recurrence computed), the
     recurrence one :class:`_LSTMRecurrence`. Returns ``(outputs (B, T, H), (h_n, c_n))``."""
     xi = cell.ih(x)
-    v = _lstm_values(cell, xi.detach(), state0[0], state0[1], mask, reverse)
+    v = None
+    if mask is None and not reverse and _native_values_apply(cell, x, xi):
+        v = _lstm_values_native(cell, x.detach(), xi.detach(), state0[0], state0[1])
+    if v is None:
+        v = _lstm_values(cell, xi.detach(), state0[0], state0[1], mask, reverse)
     with cell.hh.returning(v.pre, for_input=v.hprev):
         hh = cell.hh(v.hprev)
     out, h_n, c_n = _LSTMRecurrence.apply(xi, hh, state0[0], state0[1], v)
