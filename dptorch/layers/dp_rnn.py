@@ -663,71 +663,6 @@ def _lstm_values(
     return v
 
 
-def _native_values_apply(cell: DPLSTMCell, x: torch.Tensor, xi: torch.Tensor) -> bool:
-    """Whether :func:`_lstm_values_native` can give the values: a CPU float32/float64 input of
-    the weights' dtype, outside autocast."""
-    dtype = cell.hh.weight.dtype
-    return (
-        x.device.type == "cpu"
-        and dtype in (torch.float32, torch.float64)
-        and x.dtype == xi.dtype == cell.ih.weight.dtype == dtype
-        and not torch.is_autocast_enabled("cpu")
-    )
-
-
-@torch.no_grad()
-def _lstm_values_native(
-    cell: DPLSTMCell, x: torch.Tensor, xi: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor
-) -> _LSTMValues | None:
-    """:func:`_lstm_values` of a forward direction without mask, from torch's fused kernel:
-    ``torch.lstm`` (oneDNN on a CPU, the kernel of ``nn.LSTM``) runs the recurrence on ``x``
-    ``(B, T, I)`` and gives every state ``h_t``; the rest is batched over the sequence: the
-    hidden projections ``W_hh h_{t-1} + b_hh`` ``(B, T, 4H)`` in one product, the gates, and the
-    cell states by a scan ``c_t = f_t c_{t-1} + i_t g_t`` (one fused op per step). The values
-    are those of the step-by-step loop up to round-off; the backward and the per-sample
-    gradients use these, so norms and clipped sums stay consistent with each other. ``None``
-    where the kernel's states are not those of ``xi`` (``h_t = o_t tanh(c_t)`` checked)."""
-    b, t_len, g4 = xi.shape
-    h_size = g4 // 4
-    w_ih, w_hh = cell.ih.weight.detach(), cell.hh.weight.detach()
-    flat = [w_ih, w_hh]
-    if cell.ih.bias is not None:
-        flat += [cell.ih.bias.detach(), cell.hh.bias.detach()]
-    out, h_n, c_n = torch.lstm(
-        x, (h0.unsqueeze(0), c0.unsqueeze(0)), flat, cell.ih.bias is not None, 1, 0.0, False,
-        False, True,
-    )
-    hprev = xi.new_empty(b, t_len, h_size)
-    hprev[:, 0] = h0
-    hprev[:, 1:] = out[:, :-1]
-    pre = gemm.mm(hprev.view(-1, h_size), w_hh.t())
-    if cell.hh.bias is not None:
-        pre += cell.hh.bias.detach()
-    pre = pre.view(b, t_len, g4)
-    gates = torch.add(pre, xi).view(b, t_len, 4, h_size)  # in place from here: no fresh memory
-    g_act = _tanh(gates[:, :, 2], out=xi.new_empty(b, t_len, h_size))
-    gates.sigmoid_()
-    gates[:, :, 2] = g_act
-    i, f, g, _ = gates.unbind(2)
-    ig = torch.mul(i, g)
-    cs = xi.new_empty(t_len + 1, b, h_size)
-    cs[0] = c0
-    for t in range(t_len):
-        torch.addcmul(ig[:, t], f[:, t], cs[t], out=cs[t + 1])
-    tanh_c = xi.new_empty(t_len, b, h_size)
-    _tanh(cs[1:], out=tanh_c)
-    # the kernel computed its own ``W_ih x + b_ih``: if the layer call's ``xi`` differs (a hook
-    # changed it), the states are not those of ``xi``; the step-by-step loop then runs
-    tol = 1e-4 if xi.dtype == torch.float32 else 1e-9
-    if not torch.allclose(gates[:, :, 3] * tanh_c.transpose(0, 1), out, rtol=tol, atol=tol):
-        return None
-    return _LSTMValues(
-        out=out.contiguous(), hprev=hprev, pre=pre, cs=cs, gates=gates, tanh_c=tanh_c,
-        w_hh=w_hh, mask=None, reverse=False, h_n=h_n.squeeze(0),
-        c_n=cs[t_len].clone(),
-    )
-
-
 class _LSTMRecurrence(torch.autograd.Function):
     """The recurrence of one LSTM direction whose values :func:`_lstm_values` computed.
 
@@ -825,11 +760,7 @@ def _run_lstm(
     call on the whole sequence (``hh`` returning the values the recurrence computed), the
     recurrence one :class:`_LSTMRecurrence`. Returns ``(outputs (B, T, H), (h_n, c_n))``."""
     xi = cell.ih(x)
-    v = None
-    if mask is None and not reverse and _native_values_apply(cell, x, xi):
-        v = _lstm_values_native(cell, x.detach(), xi.detach(), state0[0], state0[1])
-    if v is None:
-        v = _lstm_values(cell, xi.detach(), state0[0], state0[1], mask, reverse)
+    v = _lstm_values(cell, xi.detach(), state0[0], state0[1], mask, reverse)
     with cell.hh.returning(v.pre, for_input=v.hprev):
         hh = cell.hh(v.hprev)
     out, h_n, c_n = _LSTMRecurrence.apply(xi, hh, state0[0], state0[1], v)

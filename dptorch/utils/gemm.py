@@ -18,9 +18,10 @@ dimension wider than its rows sends it to a reference kernel a thousand times sl
 operand is copied first).
 
 They are used for the computations that only a DP step does: the clipped sums of bk (Linear,
-GPT-2's Conv1D), the Gram matrices of ghost norms, and the DP-LSTM's decomposed recurrence, which
-stands in for the oneDNN kernel that ``nn.LSTM`` runs. A model's own forward and input
-gradients keep torch's products, as in the non-private step they are compared with.
+GPT-2's Conv1D), the Gram matrices of ghost norms, per-sample convolution weight gradients, and
+the DP-LSTM's decomposed recurrence and projections in bk, which stand in for the oneDNN kernel
+that ``nn.LSTM`` (and DPLSTM outside DP training) runs. Every other layer's forward and input
+gradient keeps torch's products, as in the non-private step it is compared with.
 
 ``DPTORCH_CPU_GEMM=torch`` in the environment turns the oneDNN path off (the benchmarks report
 both).
@@ -33,7 +34,7 @@ import os
 import torch
 
 __all__ = [
-    "MIN_MACS", "bmm_nt", "linear_add", "mm", "mm_tn", "onednn_applies", "onednn_gemm_enabled",
+    "MIN_MACS", "bmm_nt", "linear", "linear_add", "mm", "mm_tn", "onednn_applies", "onednn_gemm_enabled",
 ]
 
 _state: dict[str, bool] = {}
@@ -77,6 +78,10 @@ def _precision_is_ieee() -> bool:
     return precision in ("none", "ieee")
 
 
+#: tensor types taken as they are (a subclass may redefine its operations)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def onednn_applies(*tensors: torch.Tensor) -> bool:
     """Whether products of ``tensors`` go to oneDNN here (CPU float32, no autograd recording,
     no transform, tracing or autocast, IEEE precision, enabled); a loop of many small products
@@ -86,7 +91,7 @@ def onednn_applies(*tensors: torch.Tensor) -> bool:
 
 def _eligible(*tensors: torch.Tensor) -> bool:
     for t in tensors:
-        if type(t) is not torch.Tensor or t.dtype != torch.float32 or t.device.type != "cpu":
+        if type(t) not in _PLAIN or t.dtype != torch.float32 or t.device.type != "cpu":
             return False
         if t.numel() == 0:
             return False
@@ -126,6 +131,19 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         # oneDNN's linear is ``x wᵀ``: w = bᵀ
         return torch.ops.mkldnn._linear_pointwise(_lhs(a), _dense(b.t()), None, "none", [], "")
     return a.mm(b)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x wᵀ + b`` for ``x`` ``(m, k)``, ``w`` ``(n, k)``, ``b`` ``(n,)`` or ``None``:
+    ``(m, n)`` (``F.linear``)."""
+    if (
+        x.dim() == 2 and w.dim() == 2 and x.shape[0] * x.shape[1] * w.shape[0] >= MIN_MACS
+        and _eligible(x, w, *(() if b is None else (b,)))
+    ):
+        return torch.ops.mkldnn._linear_pointwise(
+            _lhs(x), _dense(w), None if b is None else b.contiguous(), "none", [], ""
+        )
+    return torch.nn.functional.linear(x, w, b)
 
 
 def linear_add(x: torch.Tensor, w: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
