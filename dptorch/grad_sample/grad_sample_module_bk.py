@@ -81,6 +81,21 @@ def _recomputed(module: nn.Module, rule=None) -> bool:
             and derived(rule, "weighted_clipped_sum") is None)
 
 
+def _library_forward(module: nn.Module) -> bool:
+    """Whether ``module`` runs a library's own ``forward`` (torch.nn's or dptorch's layers), not
+    one replaced on the instance or defined by a subclass. Only such a forward's clipped sum is
+    formed by a recompute: a user's forward may read state kept outside the module (a counter in
+    a dict) that changes its derivative and not its value, which neither the state snapshot nor
+    the output fingerprint sees, and the recomputed sum would then not be the one whose norms
+    were clipped (2 C released). Another layer on the norm path of a norm-only rule takes its
+    per-sample gradients (its rule's, or ``torch.func``'s), whose norms and sum are one
+    computation."""
+    if "forward" in module.__dict__:
+        return False
+    owner = getattr(type(module).forward, "__module__", None) or ""
+    return owner.startswith(("torch.nn.", "dptorch.layers."))
+
+
 # ----------------------------------------------------------------------------- the module
 class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     """One-backward-pass DP clipping: after ``loss.backward()``, ``p.grad`` holds (on top of its
@@ -241,6 +256,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         if not (self.hooks_enabled and self.backward_hooks_enabled):
             return
         self.check_grads_untouched()
+        self._refuse_post_accumulate_hooks()
         ran, self._input_grad_only_ran = self._input_grad_only_ran, set()
         hooked = [(p, h) for p, h in self._bk_param_hooks.values()
                   if p._backward_hooks is not None and len(p._backward_hooks) > 1]
@@ -256,6 +272,22 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 "do (what is released is the clipped sum either way)."
             )
         _last_of_their_tensors([h for _, h in hooked])
+
+    def _refuse_post_accumulate_hooks(self) -> None:
+        """``ValueError`` if a sampled parameter has a ``register_post_accumulate_grad_hook``:
+        it runs during the backward pass, before bk adds the clipped sum to ``p.grad``, and what
+        it writes there (the batch gradient a ``register_hook`` kept) would be released with the
+        clipped sum, unclipped (as ghost, which refuses it)."""
+        hooked = [p for p, _ in self._bk_param_hooks.values()
+                  if getattr(p, "_post_accumulate_grad_hooks", None)]
+        if hooked:
+            raise ValueError(
+                f"{', '.join(self._param_name(p) for p in hooked[:4])} has a "
+                "register_post_accumulate_grad_hook: in grad_sample_mode='bk' it runs before the "
+                "clipped per-sample sum is added to p.grad, and what it writes to p.grad would be "
+                "released with it, unclipped. Remove the hook (act on p.grad after "
+                "loss.backward() instead), or use grad_sample_mode='hooks'."
+            )
 
     def _drop_pass(self, pending: list[nn.Parameter]) -> None:
         """Ends a refused pass (a ``ValueError`` raised during its backward and caught): what it
@@ -277,8 +309,11 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         if not self._norm_path(module, activations, backprops):
             return False
         # a clipped sum recomputed with nothing to check it against (the forward did not
-        # expect this path, :meth:`_fingerprint_output`): instantiated from the activations
-        return not (_recomputed(module) and current_fingerprint(module) is None)
+        # expect this path, :meth:`_fingerprint_output`), or by a user's forward
+        # (:func:`_library_forward`): instantiated from the activations
+        return not (_recomputed(module) and (
+            current_fingerprint(module) is None or not _library_forward(module)
+        ))
 
     def _norm_path(self, module, activations, backprops) -> bool:
         """Whether this call's norms come from its rule's ``norm_sq`` (its clipped sum then
@@ -312,7 +347,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         path needs it (:meth:`_use_norm_sampler`), so the prediction may be generous, never
         short; other layers pay nothing."""
         rule = rule_for(module)
-        if not _recomputed(module, rule):
+        if not _recomputed(module, rule):  # (a user's forward: its torch.func recompute)
             return False
         if bdim != 0 or derived(rule, "factors") is not None:
             return True  # batch-first inputs only below; a tied group may take the norm path
