@@ -96,6 +96,17 @@ def _library_forward(module: nn.Module) -> bool:
     return owner.startswith(("torch.nn.", "dptorch.layers."))
 
 
+def _first_of_their_hooks(handle) -> None:
+    """Moves the hook of ``handle`` before every other hook of its dict (removed and the others
+    inserted again after it: hooks run in the order of the dict's storage)."""
+    hooks = handle.hooks_dict_ref()
+    if hooks is None or len(hooks) < 2 or handle.id not in hooks or next(iter(hooks)) == handle.id:
+        return
+    others = [(k, hooks.pop(k)) for k in list(hooks) if k != handle.id]
+    for k, v in others:
+        hooks[k] = v
+
+
 # ----------------------------------------------------------------------------- the module
 class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
     """One-backward-pass DP clipping: after ``loss.backward()``, ``p.grad`` holds (on top of its
@@ -137,6 +148,12 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         self._no_autograd: set[int] = set()
         self._fallback: set[int] = set()
         self._reached: dict[int, nn.Parameter] = {}
+        #: ``{id(p): (p, (id(p.grad), its version) or None)}`` at the start of the pass
+        self._grads_at_start: dict[int, tuple] = {}
+        #: ``{id(p): (id(p.grad), its version)}`` right after autograd accumulated bk's zeros,
+        #: or ``None`` where ``p.grad`` was not what that accumulation makes
+        self._accumulated: dict[int, tuple | None] = {}
+        self._bk_post_hooks: dict = {}
         super().__init__(m, **kwargs)
         self._keep_output_edges = False  # no norm pass: one ordinary backward
         #: ``(module, activations, backprops, kwargs, scale, fingerprint)`` of every call whose
@@ -170,6 +187,9 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 handle = p.register_hook(weak_method(self._on_autograd_grad, p))
                 self._bk_handles.append(handle)
                 self._bk_param_hooks[id(p)] = (p, handle)
+                after = p.register_post_accumulate_grad_hook(weak_method(self._on_accumulated, p))
+                self._bk_handles.append(after)
+                self._bk_post_hooks[id(p)] = after
         # a parameter tied between the two kinds (an Embedding subclass with a forward of its
         # own and a Linear head) gets autograd's gradient from the first: that one is expected
         self._no_autograd -= plain
@@ -179,6 +199,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             h.remove()
         self._bk_handles = []
         self._bk_param_hooks = {}
+        self._bk_post_hooks = {}
         for module in self._bk_overridden:
             if "forward" in module.__dict__:
                 del module.forward
@@ -256,7 +277,13 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         if not (self.hooks_enabled and self.backward_hooks_enabled):
             return
         self.check_grads_untouched()
-        self._refuse_post_accumulate_hooks()
+        self._grads_at_start = {
+            i: (p, None if p.grad is None else (id(p.grad), p.grad._version))
+            for i, (p, _) in self._bk_param_hooks.items()
+        }
+        self._accumulated = {}
+        for handle in self._bk_post_hooks.values():  # first of their parameters' (see below)
+            _first_of_their_hooks(handle)
         ran, self._input_grad_only_ran = self._input_grad_only_ran, set()
         hooked = [(p, h) for p, h in self._bk_param_hooks.values()
                   if p._backward_hooks is not None and len(p._backward_hooks) > 1]
@@ -273,20 +300,60 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             )
         _last_of_their_tensors([h for _, h in hooked])
 
-    def _refuse_post_accumulate_hooks(self) -> None:
-        """``ValueError`` if a sampled parameter has a ``register_post_accumulate_grad_hook``:
-        it runs during the backward pass, before bk adds the clipped sum to ``p.grad``, and what
-        it writes there (the batch gradient a ``register_hook`` kept) would be released with the
-        clipped sum, unclipped (as ghost, which refuses it)."""
-        hooked = [p for p, _ in self._bk_param_hooks.values()
-                  if getattr(p, "_post_accumulate_grad_hooks", None)]
-        if hooked:
+    def _on_accumulated(self, p: nn.Parameter, param: nn.Parameter) -> None:
+        """Post-accumulate hook of ``p`` (first of its post-accumulate hooks): records the
+        ``p.grad`` that autograd's accumulation of bk's zeros made, if it is only that (the
+        tensor of the pass start, modified once, or a new one never modified)."""
+        start = self._grads_at_start.get(id(p))
+        if start is None:
+            return
+        g = p.grad
+        if g is None:
+            ok = False
+        elif g.is_sparse:  # a sparse sum is formed out of place
+            ok = True
+        elif start[1] is None:
+            ok = g._version == 0
+        else:
+            ok = id(g) == start[1][0] and g._version == start[1][1] + 1
+        self._accumulated[id(p)] = (id(g), g._version) if ok else None
+
+    def _check_grads_unwritten(self, reached: dict[int, nn.Parameter]) -> None:
+        """``ValueError`` unless every ``p.grad`` is what the pass start left, plus autograd's
+        accumulation of bk's zeros for the parameters bk's hook ``reached`` (checked right
+        after it by :meth:`_on_accumulated`, which runs first among ``p``'s post-accumulate
+        hooks), before the clipped sums are added to it. Anything else wrote to ``p.grad``
+        during the backward pass (a ``register_post_accumulate_grad_hook``, a hook on an
+        activation, a module's backward hook, a hook on the AccumulateGrad node, a parameter
+        hook registered during the pass, which runs after bk's): it would be released with
+        the clipped sum, unclipped. Tensor identities and version counters only: no host
+        synchronisation."""
+        starts, self._grads_at_start = self._grads_at_start, {}
+        accumulated, self._accumulated = self._accumulated, {}
+        written = []
+        for i, (p, start) in starts.items():
+            g = p.grad
+            if i in reached:
+                hooks = p._backward_hooks
+                mine = self._bk_param_hooks.get(i)
+                late = hooks and mine is not None and next(reversed(hooks)) != mine[1].id
+                after = accumulated.get(i)
+                if late or after is None or g is None or (id(g), g._version) != after:
+                    written.append(p)
+            elif start is None:
+                if g is not None:
+                    written.append(p)
+            elif g is None or (id(g), g._version) != start:
+                written.append(p)
+        if written:
             raise ValueError(
-                f"{', '.join(self._param_name(p) for p in hooked[:4])} has a "
-                "register_post_accumulate_grad_hook: in grad_sample_mode='bk' it runs before the "
-                "clipped per-sample sum is added to p.grad, and what it writes to p.grad would be "
-                "released with it, unclipped. Remove the hook (act on p.grad after "
-                "loss.backward() instead), or use grad_sample_mode='hooks'."
+                f"{', '.join(self._param_name(p) for p in written[:4])}: p.grad was written "
+                "during the backward pass by something other than autograd's accumulation (a "
+                "register_post_accumulate_grad_hook, a hook on an activation or on a module's "
+                "backward, a gradient hook registered during the pass): in "
+                "grad_sample_mode='bk' it would be released with the clipped per-sample sum, "
+                "unclipped. Act on p.grad after loss.backward() instead, register gradient "
+                "hooks before the forward pass, or use grad_sample_mode='hooks'."
             )
 
     def _drop_pass(self, pending: list[nn.Parameter]) -> None:
@@ -372,6 +439,7 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 "(a parameter used outside its module's forward): it would not be clipped per "
                 "sample. Call the module that owns it, or freeze it."
             )
+        self._check_grads_unwritten(reached)
         contract = self.clipping
         if contract.per_layer:
             coef = {id(p): contract.param_factors(sq.sqrt(), p) for p, sq in norm_sq}

@@ -151,6 +151,12 @@ class GradSampleModuleBookKeepingFSDP(FSDPParamsMixin, GradSampleModuleBookKeepi
                 module, activations, backprops, kwargs, coef, b, scale, fingerprint
             )
 
+    def _check_grads_unwritten(self, reached) -> None:
+        """Not checked under FSDP: the hooked parameters are the unsharded ones, whose
+        gradients FSDP itself moves during the pass (the sharded parameters' gradients are
+        written by :meth:`_write_clipped_sums`)."""
+        self._grads_at_start = {}
+
     def _write_clipped_sums(self, sums: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         """One reduce-scatter (sum over the ranks) per trainable parameter, in the same order on
         every rank (zeros where this rank's samples did not reach it); this rank's shard of the

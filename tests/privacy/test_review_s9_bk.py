@@ -12,9 +12,11 @@
   counter kept outside the module (2 C again): a user's forward is no longer recomputed for a
   clipped sum at all; its per-sample gradients (its grad sampler's or ``torch.func``'s, checked)
   give its norms and its sum.
-* A ``register_post_accumulate_grad_hook`` on a sampled parameter ran during the backward pass,
-  before bk added the clipped sum, and what it wrote to ``p.grad`` was released with it: refused,
-  as in ghost.
+* Anything written to ``p.grad`` during the backward pass (a post-accumulate-grad hook, a hook
+  on an activation, a module's backward hook, a hook on the AccumulateGrad node, a parameter hook
+  registered during the pass) was released with the clipped sum, unclipped: refused at the end
+  of the pass, before the clipped sums are added (``p.grad`` must be what the pass start left
+  plus autograd's accumulation of bk's zeros). Hooks that only observe keep working.
 * A user's gradient hook on a sampled parameter (``p.register_hook``) gave a raw ``TypeError``
   in bk (the layer's input-gradient-only forward gives autograd no weight gradient, and the hook
   was called with ``None``), and a hook registered after wrapping ran after bk's zeroing hook,
@@ -543,5 +545,77 @@ def test_a_post_accumulate_grad_hook_is_refused_in_bk(layer):
         p.register_post_accumulate_grad_hook(add_kept)
 
     x, y = _data()
-    with pytest.raises(ValueError, match="register_post_accumulate_grad_hook"):
+    with pytest.raises(ValueError, match="p.grad was written during the backward pass"):
         dp_update(model, "bk", x, y, C, before_backward=hook)
+
+
+def _writes(route: str):
+    """``before_backward`` hooks that add 100 to a weight's ``p.grad`` during the backward
+    pass, each by another route (second review: every one was released by bk)."""
+
+    def bump(p):
+        if p.grad is None:
+            p.grad = torch.full_like(p, 100.0)
+        else:
+            p.grad.add_(100.0)
+
+    def install(model, opt, gsm):
+        lin, norm = model[0], model[1]
+        if route == "activation":  # a tensor hook on an intermediate activation
+            lin.register_forward_hook(
+                lambda m, a, out: out.register_hook(lambda g: bump(lin.weight)) and None
+            )
+        elif route == "module-backward":
+            norm.register_full_backward_hook(lambda m, gi, go: bump(lin.weight))
+        elif route == "accumulate-node":  # a hook on the parameter's AccumulateGrad node
+            def on_node(m, a, out):  # found in the call's graph, which keeps it alive
+                todo, seen = [out.grad_fn], set()
+                while todo:
+                    fn = todo.pop()
+                    if fn is None or fn in seen:
+                        continue
+                    seen.add(fn)
+                    if getattr(fn, "variable", None) is norm.weight:
+                        fn.register_hook(lambda *args: bump(norm.weight))
+                        return
+                    todo += [f for f, _ in fn.next_functions]
+                raise AssertionError("no AccumulateGrad node")
+
+            norm.register_forward_hook(on_node)
+        elif route == "late-parameter-hook":  # registered during the pass: runs after bk's
+            lin.register_forward_hook(lambda m, a, out: out.register_hook(
+                lambda g: norm.weight.register_hook(lambda gw: gw + 100.0) and None
+            ) and None)
+
+    return install
+
+
+@pytest.mark.parametrize(
+    "route", ["activation", "module-backward", "accumulate-node", "late-parameter-hook"]
+)
+def test_any_write_to_p_grad_during_the_bk_pass_is_refused(route):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D).to(DT), nn.LayerNorm(D).to(DT))
+    x, y = _data()
+    assert torch.isfinite(dp_update(model, "hooks", x, y, C)["0.weight"]).all()
+    with pytest.raises(ValueError, match="p.grad was written during the backward pass"):
+        dp_update(model, "bk", x, y, C, before_backward=_writes(route))
+
+
+def test_observing_post_accumulate_hooks_are_not_refused():
+    """A post-accumulate hook that writes nothing (DDP's python reducer with no sync, a memory
+    tracker) keeps bk exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D).to(DT), nn.LayerNorm(D).to(DT))
+    seen = []
+
+    def observe(model, opt, gsm):
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda q: seen.append(q.grad is not None))
+
+    x, y = _data()
+    got = dp_update(model, "bk", x, y, C, before_backward=observe)
+    ref = reference_update(copy.deepcopy(model), x, y, C)
+    for n, r in ref.items():
+        torch.testing.assert_close(got[n], r, rtol=1e-7, atol=1e-9)
+    assert seen  # the hooks ran
