@@ -266,7 +266,11 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 "directly, or freeze the parameter."
             )
         self._reached[id(p)] = p
-        return torch.zeros_like(grad)
+        if grad.is_sparse or grad.shape != p.shape:
+            return torch.zeros_like(grad)
+        # in the parameter's layout: autograd then accumulates it as it is (a gradient in
+        # another layout, e.g. channels_last, is copied into a new tensor, at version 1)
+        return torch.zeros_like(p, dtype=grad.dtype)
 
     def _on_pass_start(self) -> None:
         """Before any parameter gradient of the pass: ``p.grad`` is as the last clipped pass left
@@ -300,6 +304,30 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             )
         _last_of_their_tensors([h for _, h in hooked])
 
+    def capture_activations_hook(
+        self, module: nn.Module, forward_input, _forward_output, forward_kwargs: dict | None = None
+    ) -> None:
+        """Also refuses a call made during the backward pass (a reentrant checkpointed segment
+        recomputed by its own inner backward) of a layer whose parameters another call of the
+        pass already used: the parameter's path (one call, or factored calls with their cross
+        terms) was chosen when the earlier calls' gradients arrived, without this one, and the
+        clipped sum was wrong (hooks mode, which sums per-sample gradients, is exact)."""
+        super().capture_activations_hook(module, forward_input, _forward_output, forward_kwargs)
+        if torch._C._current_graph_task_id() == -1:
+            return
+        shared = [p for p in self.sampled_params(module) if self._call_counts.get(id(p), 0) > 1]
+        if shared:
+            raise ValueError(
+                f"{', '.join(self._param_name(p) for p in shared[:4])}: used by several calls "
+                "in one pass, one of them recomputed during the backward pass by reentrant "
+                "activation checkpointing (torch.utils.checkpoint with use_reentrant=True). "
+                "grad_sample_mode='bk' chooses each parameter's clipping path when its first "
+                "call's gradient arrives, before the recomputed calls exist. Use non-reentrant "
+                "checkpointing (use_reentrant=False; Hugging Face: "
+                "gradient_checkpointing_kwargs={'use_reentrant': False}), or "
+                "grad_sample_mode='hooks'."
+            )
+
     def _on_accumulated(self, p: nn.Parameter, param: nn.Parameter) -> None:
         """Post-accumulate hook of ``p`` (first of its post-accumulate hooks): records the
         ``p.grad`` that autograd's accumulation of bk's zeros made, if it is only that (the
@@ -307,15 +335,20 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         start = self._grads_at_start.get(id(p))
         if start is None:
             return
+        # several accumulations in one pass (a parameter shared by reentrant checkpointed
+        # segments, each its own inner backward): each one from what the previous one left
+        base = self._accumulated.get(id(p), start[1])
+        if id(p) in self._accumulated and base is None:
+            return  # already found written
         g = p.grad
         if g is None:
             ok = False
         elif g.is_sparse:  # a sparse sum is formed out of place
             ok = True
-        elif start[1] is None:
+        elif base is None:
             ok = g._version == 0
         else:
-            ok = id(g) == start[1][0] and g._version == start[1][1] + 1
+            ok = id(g) == base[0] and g._version == base[1] + 1
         self._accumulated[id(p)] = (id(g), g._version) if ok else None
 
     def _check_grads_unwritten(self, reached: dict[int, nn.Parameter]) -> None:
