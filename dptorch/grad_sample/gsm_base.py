@@ -209,6 +209,15 @@ class weak_method:
             args.append(a)
         return method(*args, *rest)
 
+    def __reduce__(self):
+        """Pickled as the bound method and its arguments (strong while pickled; weak again once
+        loaded); a dead hook stays dead."""
+        method = self._method()
+        args = [a() if weak else a for weak, a in self._args]
+        if method is None or any(weak and a is None for (weak, _), a in zip(self._args, args)):
+            return (_dead_weak_method, ())
+        return (weak_method, (method, *args))
+
     def __deepcopy__(self, memo):
         """The same hook on the copies (``copy.deepcopy`` of a wrapped model: its hooks hold
         the copied GradSampleModule, as a bound method would)."""
@@ -278,3 +287,10 @@ def check_not_wrapped(module: nn.Module) -> None:
 #: in-place form of a GradSampleModule is the same class attached to the model it holds.
 AbstractGradSampleHooks = AbstractGradSampleModule
 
+
+
+def _dead_weak_method() -> weak_method:
+    """A hook whose object or arguments are gone (unpickled): it does nothing."""
+    new = weak_method.__new__(weak_method)
+    new._method, new._args = (lambda: None), ()
+    return new

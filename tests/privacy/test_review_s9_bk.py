@@ -680,3 +680,32 @@ def test_a_parameter_shared_across_reentrant_checkpointed_segments_is_refused_in
     got = dp_update(model, "hooks", x, y, C)
     for n, r in ref.items():
         torch.testing.assert_close(got[n], r, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_wrapped_model_pickles_and_clips_the_same_after_loading(mode):
+    """``torch.save(model)`` of a bk-wrapped model failed ("cannot pickle 'WeakMethod'", the
+    weak hooks); the loaded copy clips as the original does."""
+    import io
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(D, D).to(DT), nn.LayerNorm(D).to(DT), nn.Linear(D, 3).to(DT))
+    x, y = torch.randn(12, D, dtype=DT), torch.randint(0, 3, (12,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _, _ = dptorch.PrivacyEngine().make_private(
+            module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+            data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=0.0,
+            max_grad_norm=0.01, grad_sample_mode=mode,
+        )
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    got = []
+    for m in (model, loaded):
+        nn.functional.cross_entropy(m(x), y, reduction="sum").backward()
+        got.append([(p.grad if mode == "bk" else p.grad_sample).clone()
+                    for p in m.parameters()])
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
