@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from ..layers.dp_rnn import RNNLinear
-from ..utils import gemm
-from .linear import LINEAR_RULE, compute_linear_grad_sample, linear_input_grad_only
+from .linear import LINEAR_RULE, compute_linear_grad_sample, input_grad_only_products
 from .registry import register_layer_rule
 
 
@@ -44,32 +43,12 @@ class _GivenInputGradOnly(torch.autograd.Function):
         return None, gx, None, None
 
 
-class _InputGradOnly(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` on a 2-d ``x``, whose backward returns ``∂L/∂x = G W``
-    only, both products on :mod:`dptorch.utils.gemm` (the recurrence's projections stand in
-    for torch's fused kernel, which runs them on oneDNN)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(weight)
-        return gemm.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, g):
-        (weight,) = ctx.saved_tensors
-        gx = gemm.mm(g, weight.to(g.dtype)) if ctx.needs_input_grad[0] else None
-        return gx, None, None
-
-
 def rnn_linear_input_grad_only(layer: RNNLinear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` with autograd computing ``∂L/∂x`` only; the recurrence's value if given."""
     given = layer.take_given(x)
     if given is not None:
         return _GivenInputGradOnly.apply(given, x, layer.weight, layer.bias)
-    if x.dtype != layer.weight.dtype or torch.is_autocast_enabled(x.device.type):
-        return linear_input_grad_only(layer, x)
-    out = _InputGradOnly.apply(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return input_grad_only_products(layer, x, onednn=True)
 
 
 RNN_LINEAR_RULE = register_layer_rule(

@@ -178,18 +178,22 @@ def linear_factors(
 
 class _LinearInputGradOnly(torch.autograd.Function):
     """``F.linear(x, w, b)`` on a 2-d ``x`` ``(N, d_in)``, whose backward returns only
-    ``∂L/∂x = G w``."""
+    ``∂L/∂x = G w``; with ``onednn``, both products on :mod:`dptorch.utils.gemm`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, onednn):
         ctx.save_for_backward(weight)
-        return F.linear(x, weight, bias)
+        ctx.onednn = onednn
+        return gemm.linear(x, weight, bias) if onednn else F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
         (weight,) = ctx.saved_tensors
-        gx = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[0] else None
-        return gx, None, None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            w = weight.to(g.dtype)
+            gx = gemm.mm(g, w) if ctx.onednn else g.matmul(w)
+        return gx, None, None, None
 
 
 def linear_input_grad_only(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -198,10 +202,17 @@ def linear_input_grad_only(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     The function runs on ``x`` flattened to 2-d and the result is reshaped outside it: a view
     made inside a custom Function cannot be modified in place (``nn.ReLU(inplace=True)`` after
     a Linear on ``(B, T, d)``), a view of its output can."""
+    return input_grad_only_products(layer, x, onednn=False)
+
+
+def input_grad_only_products(layer: nn.Linear, x: torch.Tensor, *, onednn: bool) -> torch.Tensor:
+    """:func:`linear_input_grad_only`, with its products on :mod:`dptorch.utils.gemm` for
+    ``onednn`` (the DP-LSTM's projections, which stand in for torch's fused oneDNN kernel)."""
     if x.dim() == 2:
-        return _LinearInputGradOnly.apply(x, layer.weight, layer.bias)
+        return _LinearInputGradOnly.apply(x, layer.weight, layer.bias, onednn)
     lead = x.shape[:-1]
-    out = _LinearInputGradOnly.apply(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias)
+    out = _LinearInputGradOnly.apply(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias,
+                                     onednn)
     return out.view(*lead, out.shape[-1])
 
 

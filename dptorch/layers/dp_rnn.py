@@ -634,7 +634,8 @@ def _lstm_values(
     )
     w_t = v.w_hh.t().to(xi.dtype)  # under autocast the recurrence runs in xi's precision
     fast = gemm.onednn_applies(xi, w_t) and b * h_size * g4 >= gemm.MIN_MACS
-    w_hh, lp = w_t.t(), torch.ops.mkldnn._linear_pointwise
+    if fast:  # (the operator exists only where oneDNN does)
+        w_hh, lp = w_t.t(), torch.ops.mkldnn._linear_pointwise
     v.cs[t_len if reverse else 0] = c0
     h = h0.to(xi.dtype)
     for t in range(t_len - 1, -1, -1) if reverse else range(t_len):

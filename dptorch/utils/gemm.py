@@ -6,12 +6,12 @@ on the AMD EPYC of the README's benchmarks, MKL's float32 GEMM reaches 0.4 of on
 (``(2048, 128) @ (128, 512)``: 2.6 ms against 1.1 ms, one thread), so a DP-LSTM whose recurrence
 dptorch runs step by step paid 2.5× for the matrix products that ``nn.LSTM`` gets from oneDNN.
 
-:func:`mm`, :func:`mm_tn`, :func:`bmm_nt` and :func:`linear_add` compute the same products (float32 accumulation, IEEE float32
+:func:`mm`, :func:`mm_tn`, :func:`bmm_nt` and :func:`linear` compute the same products (float32 accumulation, IEEE float32
 inputs, no reduced precision) through oneDNN where that is possible: CPU float32 tensors,
 outside autograd recording, ``torch.func`` transforms, ``torch.compile`` tracing and autocast,
 with float32 matmul precision ``"highest"`` (a lower precision setting is left to torch), and
 ``torch.backends.mkldnn.enabled``. Everywhere else, and where the oneDNN operator is missing or
-failed its check at first use, they are torch's ``mm`` / ``addmm`` / ``bmm``. Products under
+failed its check at first use, they are torch's ``mm`` / ``bmm`` / ``F.linear``. Products under
 about a million multiply-adds stay with torch (oneDNN's call costs about 10 µs), and operands
 are passed to oneDNN only in layouts its optimised kernels read (a right operand with a leading
 dimension wider than its rows sends it to a reference kernel a thousand times slower; such an
@@ -34,7 +34,7 @@ import os
 import torch
 
 __all__ = [
-    "MIN_MACS", "bmm_nt", "linear", "linear_add", "mm", "mm_tn", "onednn_applies", "onednn_gemm_enabled",
+    "MIN_MACS", "bmm_nt", "linear", "mm", "mm_tn", "onednn_applies", "onednn_gemm_enabled",
 ]
 
 _state: dict[str, bool] = {}
@@ -146,19 +146,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
             _lhs(x), _dense(w), None if b is None else b.contiguous(), "none", [], ""
         )
     return torch.nn.functional.linear(x, w, b)
-
-
-def linear_add(x: torch.Tensor, w: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """``other + x wᵀ`` for ``x`` ``(m, k)``, ``w`` ``(n, k)``, ``other`` ``(m, n)``: a new
-    ``(m, n)`` tensor (``torch.addmm(other, x, w.t())``)."""
-    if (
-        x.dim() == 2 and w.dim() == 2 and other.shape == (x.shape[0], w.shape[0])
-        and x.shape[0] * x.shape[1] * w.shape[0] >= MIN_MACS and _eligible(x, w, other)
-    ):
-        return torch.ops.mkldnn._linear_pointwise.binary(
-            _lhs(x), _lhs(other), _dense(w), None, "add"
-        )
-    return torch.addmm(other, x, w.t())
 
 
 def mm_tn(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:

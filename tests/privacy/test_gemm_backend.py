@@ -41,7 +41,7 @@ layouts = st.sampled_from(["contiguous", "transposed", "sliced"])
 @given(m=st.integers(1, 160), k=st.integers(1, 300), n=st.integers(1, 160),
        la=layouts, lb=layouts, seed=st.integers(0, 2**16))
 def test_products_equal_torch(m, k, n, la, lb, seed):
-    """``mm``, ``mm_tn``, ``bmm_nt`` and ``linear_add`` give torch's products (float32 round-off of the
+    """``mm``, ``mm_tn``, ``bmm_nt`` and ``linear`` give torch's products (float32 round-off of the
     float64 product) for every shape, across the oneDNN threshold, and every layout."""
     gen = torch.Generator().manual_seed(seed)
     a, b = _operand(m, k, la, gen), _operand(k, n, lb, gen)
@@ -56,9 +56,9 @@ def test_products_equal_torch(m, k, n, la, lb, seed):
     torch.testing.assert_close(
         gemm.bmm_nt(x3, y3).double(), x3.double() @ y3.double().transpose(1, 2), **tol
     )
-    w, other = _operand(n, k, lb, gen), _operand(m, n, la, gen)
+    w, bias = _operand(n, k, lb, gen), torch.randn(n, generator=gen)
     torch.testing.assert_close(
-        gemm.linear_add(a, w, other).double(), other.double() + a.double() @ w.double().t(), **tol
+        gemm.linear(a, w, bias).double(), a.double() @ w.double().t() + bias.double(), **tol
     )
 
 
