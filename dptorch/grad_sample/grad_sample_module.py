@@ -687,9 +687,12 @@ class GradSampleModule(AbstractGradSampleModule):
         on_grad = partial(weak_method(self._on_backprops, module), activations, kwargs,
                           self._forward, [])
         if hooked is not out:
-            # the base's offset, not the base: a hook holding its own tensor is a cycle that the
-            # garbage collector does not see, and it would keep every step's graph alive
-            on_grad = partial(_view_grad, on_grad, out.detach(), hooked.storage_offset())
+            # the view's geometry only: a hook holding its own tensor (the base) is a cycle that
+            # the garbage collector does not see, and one holding the view keeps the output's
+            # memory alive until the end of the backward pass, which autograd frees when no
+            # later op saves it (a Linear's (B, T, d) output feeding a residual sum)
+            on_grad = partial(_view_grad, on_grad, tuple(out.shape), out.stride(),
+                              out.storage_offset() - hooked.storage_offset())
         # its recompute must reproduce this output
         if self._uses_functorch(module) or self._fingerprint_output(module, activations, out, bdim):
             on_grad = partial(run_with_fingerprint, forward_fingerprint(module, out, bdim), on_grad)
@@ -1227,11 +1230,11 @@ def _hookable(out: torch.Tensor, inputs, floor: int | None) -> torch.Tensor:
     return base
 
 
-def _view_grad(on_grad, view: torch.Tensor, base_offset: int, grad: torch.Tensor):
+def _view_grad(on_grad, shape: tuple, stride: tuple, offset: int, grad: torch.Tensor):
     """Calls ``on_grad`` with the part of ``grad`` (the gradient of a hooked view's contiguous
-    base, whose storage offset is ``base_offset``) that ``view`` covers, laid out as the view."""
-    offset = view.storage_offset() - base_offset
-    return on_grad(grad.contiguous().as_strided(view.shape, view.stride(), offset))
+    base) that the view covers: ``shape`` and ``stride``, at ``offset`` elements from the
+    base's start."""
+    return on_grad(grad.contiguous().as_strided(shape, stride, offset))
 
 
 class _OutputWitness:

@@ -492,11 +492,16 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
                 c = coef[id(p)][: gs.shape[0]].to(gs.dtype)
                 add(p, weighted_sum(c, gs))
                 del p._current_grad_sample
-        for module, activations, backprops, kwargs, scale, fingerprint in records:
+        # each call's (A, G) is dropped once its clipped sum is formed: the pass's peak memory
+        # is then not all of them plus all the sums (the records are their only holders now)
+        for i in range(len(records)):
+            module, activations, backprops, kwargs, scale, fingerprint = records[i]
+            records[i] = None
             for p, g in self._clipped_sum(
                 module, activations, backprops, kwargs, coef, b, scale, fingerprint
             ).items():
                 add(p, g)
+            del activations, backprops
         self._write_clipped_sums(list(sums.values()))
         self.mark_clipped_pass(contract.snapshot())
 
