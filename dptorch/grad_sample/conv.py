@@ -57,16 +57,34 @@ def _padded_input(layer: nn.modules.conv._ConvNd, x: torch.Tensor):
 CHUNK_ELEMENTS = 1 << 20
 
 
-def samples_per_chunk(layer: nn.modules.conv._ConvNd, backprops: torch.Tensor) -> int:
-    """How many samples of ``backprops`` ``(B, C_out, *spatial_out)`` one chunk takes: at most
-    :data:`CHUNK_ELEMENTS` per-sample intermediate elements (``C_in · K · L`` unfolded,
-    ``groups · L²`` Gram, the weight's size), at least one sample."""
+def _weight_path(layer: nn.modules.conv._ConvNd, backprops: torch.Tensor, norms: bool) -> str:
+    """How the per-sample weight gradients (``norms=False``) or their norms are formed:
+    ``"folded"`` (one batch-folded grouped convolution, no unfolded input), ``"ghost"`` (the
+    unfolded input's ``L × L`` Grams) or ``"unfolded"`` (unfolded input, batched product)."""
     n_out = positions(backprops, 2, 0)
-    per_sample = max(
-        layer.in_channels * positions(layer.weight, 2, 0) * n_out,
-        layer.groups * n_out * n_out,
-        layer.weight.numel(),
-    )
+    d_in = layer.in_channels // layer.groups * positions(layer.weight, 2, 0)
+    ghost = norms and ghost_is_cheaper(n_out, d_in, layer.out_channels // layer.groups)
+    if not ghost and _folding_is_faster(layer):
+        return "folded"
+    return "ghost" if ghost else "unfolded"
+
+
+def samples_per_chunk(
+    layer: nn.modules.conv._ConvNd, x: torch.Tensor, backprops: torch.Tensor, path: str
+) -> int:
+    """How many samples of ``x`` ``(B, C_in, *spatial_in)`` and ``backprops``
+    ``(B, C_out, *spatial_out)`` one chunk of ``path`` (:func:`_weight_path`) takes: at most
+    :data:`CHUNK_ELEMENTS` per-sample intermediate elements (at least one sample). Per sample:
+    the weight's size (the result), plus the input and output gradient (folded: the operands
+    oneDNN reorders), or the unfolded input ``C_in · K · L`` (with ``2 · groups · L²`` for the
+    Grams of the ghost path)."""
+    n_out = positions(backprops, 2, 0)
+    if path == "folded":
+        per_sample = positions(x, 1, 0) + positions(backprops, 1, 0) + layer.weight.numel()
+    else:
+        per_sample = layer.in_channels * positions(layer.weight, 2, 0) * n_out + (
+            2 * layer.groups * n_out * n_out if path == "ghost" else layer.weight.numel()
+        )
     return max(1, CHUNK_ELEMENTS // per_sample)
 
 
@@ -96,7 +114,7 @@ def compute_conv_grad_sample(
     batch_size = backprops.shape[0]
     ret: dict[nn.Parameter, torch.Tensor] = {}
     if layer.weight.requires_grad:
-        step = samples_per_chunk(layer, backprops)
+        step = samples_per_chunk(layer, x, backprops, _weight_path(layer, backprops, False))
         if step >= batch_size:
             ret[layer.weight] = _weight_grad_sample(layer, x, backprops)
         else:  # written chunk by chunk into the result: no second (B, *weight.shape) copy
@@ -119,7 +137,7 @@ def _weight_grad_sample(
 ) -> torch.Tensor:
     """``(B, *weight.shape)`` per-sample weight gradients of ``x`` ``(B, C_in, *spatial_in)``
     and ``backprops`` ``(B, C_out, *spatial_out)``: batch-folded, or unfolded and multiplied."""
-    if _folding_is_faster(layer):
+    if _weight_path(layer, backprops, False) == "folded":
         return _folded_weight_grad_sample(layer, x, backprops)
     batch_size, c_out = backprops.shape[0], layer.out_channels
     n_out = positions(backprops, 2, 0)
@@ -218,7 +236,8 @@ def compute_conv_norm_sq_sample(
     A batch whose intermediates exceed :data:`CHUNK_ELEMENTS` is taken in chunks of samples.
     """
     b = backprops.shape[0]
-    step = samples_per_chunk(layer, backprops)
+    path = _weight_path(layer, backprops, True)
+    step = samples_per_chunk(layer, activations[0], backprops, path)
     if step < b:
         x = activations[0]
         parts = [
@@ -230,12 +249,7 @@ def compute_conv_norm_sq_sample(
     n_out = positions(backprops, 2, 0)
     g = backprops.reshape(b, groups, layer.out_channels // groups, n_out)  # (B, G, o, L)
     ret: ParamDict = {}
-    d_in = layer.in_channels // groups * positions(layer.weight, 2, 0)
-    if (
-        wants_grad(layer.weight)
-        and not ghost_is_cheaper(n_out, d_in, g.shape[2])
-        and _folding_is_faster(layer)
-    ):
+    if wants_grad(layer.weight) and path == "folded":
         ret[layer.weight] = sq_norms(_folded_weight_grad_sample(layer, activations[0], backprops))
     elif wants_grad(layer.weight):
         # float16/bfloat16: im2col and the Grams in float32 (their entries overflow float16)
@@ -245,8 +259,7 @@ def compute_conv_norm_sq_sample(
         )
         cols = cols.reshape(b, groups, cols.shape[1] // groups, n_out)  # (B, G, i, L)
         gw = widened(g)
-        t, d_in, d_out = cols.shape[-1], cols.shape[2], g.shape[2]
-        if ghost_is_cheaper(t, d_in, d_out):
+        if path == "ghost":
             aa = torch.matmul(cols.transpose(2, 3), cols)  # (B, G, L, L)
             gg = torch.matmul(gw.transpose(2, 3), gw)
             ret[layer.weight] = (aa * gg).sum((1, 2, 3))

@@ -136,7 +136,7 @@ def test_conv_chunks_equal_brute_force(b, c_in, c_out, groups, k, stride, paddin
     saved = conv.CHUNK_ELEMENTS
     conv.CHUNK_ELEMENTS = cap
     try:
-        step = conv.samples_per_chunk(layer, g)
+        step = conv.samples_per_chunk(layer, x, g, conv._weight_path(layer, g, True))
         gs = conv.compute_conv_grad_sample(layer, [x], g)
         norms = conv.compute_conv_norm_sq_sample(layer, [x], g)
     finally:
@@ -169,5 +169,6 @@ def test_chunked_conv_dp_step_exact(mode, monkeypatch):
     model = ConvNet().double()
     x = torch.randn(5, 3, 8, 8, dtype=torch.float64)
     y = torch.randn(5, 2, dtype=torch.float64)
-    assert conv.samples_per_chunk(model.c1, torch.zeros(5, 8, 8, 8)) == 1
+    g1 = torch.zeros(5, 8, 8, 8)
+    assert conv.samples_per_chunk(model.c1, x, g1, conv._weight_path(model.c1, g1, True)) == 1
     assert assert_exact_or_refused(model, mode, x, y, 0.05, must_work=True) == "exact"
