@@ -49,7 +49,7 @@ def compute_conv1d_grad_sample(
     a, g = _flat(layer, activations, backprops)
     ret: ParamDict = {}
     if wants_grad(layer.weight):
-        ret[layer.weight] = torch.bmm(a.transpose(1, 2), g)
+        ret[layer.weight] = gemm.bmm_nt(a.transpose(1, 2), g.transpose(1, 2))
     if wants_grad(layer.bias):
         ret[layer.bias] = g.sum(1)
     return ret
@@ -65,7 +65,7 @@ def compute_conv1d_norm_sq_sample(
         if ghost_is_cheaper(a.shape[1], layer.nx, layer.nf):
             ret[layer.weight] = _gram_norms(a, g)
         else:
-            ret[layer.weight] = sq_norms(torch.bmm(a.transpose(1, 2), g))
+            ret[layer.weight] = sq_norms(gemm.bmm_nt(a.transpose(1, 2), g.transpose(1, 2)))
     if wants_grad(layer.bias):
         ret[layer.bias] = sq_sum(position_sum(g), 1)
     return ret

@@ -43,7 +43,9 @@ def compute_linear_grad_sample(
         if a.dim() == 2:
             gs = torch.einsum("bo,bi->boi", backprops, a)
         else:
-            gs = torch.einsum("b...o,b...i->boi", backprops, a)
+            b, t = backprops.shape[0], positions(a)
+            g3 = backprops.reshape(b, t, backprops.shape[-1])
+            gs = gemm.bmm_nt(g3.transpose(1, 2), a.reshape(b, t, a.shape[-1]).transpose(1, 2))
         ret[layer.weight] = gs
     if layer.bias is not None and layer.bias.requires_grad:
         ret[layer.bias] = backprops if backprops.dim() == 2 else backprops.flatten(1, -2).sum(1)
@@ -113,7 +115,7 @@ def compute_linear_norm_sq_sample(
             gg = _output_gram(backprops, g3) if t > 1 else None
             ret[layer.weight] = _gram_norms(a3, g3, gg)
         else:
-            ret[layer.weight] = sq_norms(torch.bmm(g3.transpose(1, 2), a3))
+            ret[layer.weight] = sq_norms(gemm.bmm_nt(g3.transpose(1, 2), a3.transpose(1, 2)))
     if wants_grad(layer.bias):
         ret[layer.bias] = sq_sum(position_sum(g3), 1, wide=True)
     return ret

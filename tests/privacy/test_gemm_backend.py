@@ -123,10 +123,10 @@ class _Packed(nn.Module):
         return self.out(h[-1])
 
 
-def _conv1d_body():
+def _conv1d_body(width: int = 64):
     transformers = pytest.importorskip("transformers")
     conv1d = transformers.pytorch_utils.Conv1D
-    return nn.Sequential(conv1d(256, 64), nn.GELU(), conv1d(64, 256))
+    return nn.Sequential(conv1d(256, width), nn.GELU(), conv1d(width, 256))
 
 
 def _wide_head():
@@ -149,6 +149,10 @@ MODELS = {
     "conv2d": (lambda: _Head(nn.Sequential(nn.Conv2d(16, 128, 3), nn.Flatten(2)), 400),
                (6, 16, 22, 22)),
     "gpt2-conv1d": (lambda: _Head(_conv1d_body(), 64), (8, 24, 64)),
+    # T (d_in + d_out) = d_in d_out: per-sample gradients instantiated by one product per sample
+    "sequence-instantiated": (lambda: _Head(nn.Sequential(nn.Linear(256, 256), nn.Tanh()), 256),
+                              (4, 128, 256)),
+    "gpt2-conv1d-instantiated": (lambda: _Head(_conv1d_body(256), 256), (4, 128, 256)),
 }
 
 
@@ -157,6 +161,19 @@ MODELS = {
 def test_float32_bk_step_matches_float64_brute_force(name, monkeypatch):
     """bk in float32, with oneDNN's products, releases the float64 brute-force clipped sum up
     to float32 round-off, as it does with torch's products (``DPTORCH_CPU_GEMM=torch``)."""
+    _check_float32_step(name, "bk", monkeypatch)
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+@pytest.mark.parametrize("name", ["sequence-instantiated", "gpt2-conv1d-instantiated"])
+def test_float32_instantiated_products_match_float64_brute_force(name, mode, monkeypatch):
+    """The per-sample products of a Linear or Conv1D on a sequence (hooks: their per-sample
+    gradients; ghost: their instantiated norms) on oneDNN."""
+    _check_float32_step(name, mode, monkeypatch)
+
+
+def _check_float32_step(name: str, mode: str, monkeypatch) -> None:
     build, shape = MODELS[name]
     torch.manual_seed(0)
     model = build()
@@ -169,10 +186,10 @@ def test_float32_bk_step_matches_float64_brute_force(name, monkeypatch):
     taken = []
     eligible = gemm._eligible
     monkeypatch.setattr(gemm, "_eligible", lambda *t: taken.append(eligible(*t)) or taken[-1])
-    got = dp_update(model, "bk", x, y, c)
+    got = dp_update(model, mode, x, y, c)
     assert any(taken), "the step must have used oneDNN's products"
     monkeypatch.setenv("DPTORCH_CPU_GEMM", "torch")
-    plain = dp_update(model, "bk", x, y, c)
+    plain = dp_update(model, mode, x, y, c)
     for n, r in ref.items():
         scale = float(r.abs().max()) + 1e-3
         for label, upd in (("oneDNN", got), ("torch", plain)):
