@@ -684,7 +684,7 @@ class GradSampleModule(AbstractGradSampleModule):
         # itself (``self.last = y``) holds that tensor's graph, whose node holds this hook; a
         # strong reference would be a cycle through autograd that the garbage collector does
         # not see, and the model would never be freed
-        on_grad = partial(weak_method(self._on_backprops, module), activations, kwargs,
+        on_grad = partial(weak_method(self._on_backprops, module), [activations, kwargs],
                           self._forward, [])
         if hooked is not out:
             # the view's geometry only: a hook holding its own tensor (the base) is a cycle that
@@ -753,7 +753,12 @@ class GradSampleModule(AbstractGradSampleModule):
         clipping counts calls and keeps output edges here). ``_forward_output`` is the tensor
         whose gradient is hooked: the output, or the base it reshapes (see ``_hookable``)."""
 
-    def _on_backprops(self, module, activations, kwargs, fwd, passes: list, grad):
+    def _on_backprops(self, module, held: list, fwd, passes: list, grad):
+        """The gradient of a hooked call's output arrived: its per-sample work, from
+        ``held = [activations, kwargs]``, which is then dropped (outside multi-pass mode, where
+        a second pass through the call is refused): as autograd frees a node's saved inputs
+        once it ran, the inputs are not kept until the end of the backward pass (a mode that
+        needs them later, bk, keeps its own reference)."""
         if torch.is_grad_enabled():  # even with the backward hooks off: nothing sees that use
             name = self.module_name(module)
             raise ValueError(
@@ -767,10 +772,20 @@ class GradSampleModule(AbstractGradSampleModule):
         if not self.hooks_enabled or not self.backward_hooks_enabled:
             return None
         self._check_first_backward(module, passes)
+        activations, kwargs = held
+        if activations is None:
+            raise ValueError(
+                f"{self.module_name(module)} ({type(module).__name__}): a second backward pass "
+                "reached this layer call, whose inputs were released after the first. Each "
+                "backward pass is clipped on its own; call backward() once per forward pass, or "
+                "wrap with multi_pass=True."
+            )
         self._expected_rows = fwd.rows if fwd is not None else None
         self.capture_backprops_hook(
             module, activations, grad, self.loss_reduction, self.batch_first, forward_kwargs=kwargs
         )
+        if not self.multi_pass:
+            held[0] = held[1] = None
         return None
 
     def _check_first_backward(self, module: nn.Module, passes: list) -> None:

@@ -76,6 +76,43 @@ def test_probe_sees_a_saved_output():
     assert probes[0]() is None
 
 
+class Scaled(nn.Module):
+    """``fc`` on ``2 x + 1``: only ``fc``'s own node would save its input."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.fc(x * 2.0 + 1.0).tanh())
+
+
+@pytest.mark.parametrize("mode", ["plain", "hooks", "functorch", "bk"])
+def test_layer_input_freed_once_its_backward_ran(mode):
+    """A hooked call's inputs are released when its per-sample work is done, as autograd
+    frees a node's saved inputs once it ran, not at the end of the backward pass. (bk: a layer
+    whose per-sample gradient is instantiated, T (d_in + d_out) >= d_in d_out; one on the
+    ghost path keeps its inputs for the clipped sum at the end of the pass.)"""
+    torch.manual_seed(0)
+    model = Scaled()
+    kw = {"max_grad_norm": 1.0} if mode == "bk" else {}
+    run = model if mode == "plain" else wrap_model(model, mode, **kw)
+    probes: list = []
+    model.fc.register_forward_pre_hook(
+        lambda m, args: probes.append(weakref.ref(args[0].untyped_storage()))
+    )
+    x = torch.randn(3, 8, 4, requires_grad=True)
+    seen: list = []
+    # x's gradient is formed after fc's backward (upstream of it), with the graph still alive
+    x.register_hook(lambda g: seen.append(probes[0]() is None))
+    loss = run(x).sum()
+    assert probes[0]() is not None  # saved for the backward pass
+    loss.backward()
+    assert seen == [True], f"{mode}: fc's input is still alive after its backward ran"
+    assert model.fc.weight.grad is not None
+
+
 def test_bk_drops_each_call_after_its_clipped_sum(monkeypatch):
     """When bk forms a call's clipped sum, the output gradients of the calls before it are
     gone (each is held only by its record)."""
