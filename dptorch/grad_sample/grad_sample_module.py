@@ -149,6 +149,9 @@ class GradSampleModule(AbstractGradSampleModule):
         self._pending: dict[int, nn.Parameter] = {}
         self._pass: PassRecord | None = None
         self._callback_queued = False
+        # graph-task numbers of the open pass and of the last ended one (see
+        # _queue_end_of_backward)
+        self._pass_task = self._last_pass_task = -1
         self._expected_rows: int | None = None
         self._forward: _ForwardBatch | None = None
         self._trace: UseTrace | None = None
@@ -658,6 +661,12 @@ class GradSampleModule(AbstractGradSampleModule):
         out = _first_tensor(output)
         if out is None or not out.requires_grad:
             return None
+        if torch._C._current_graph_task_id() != -1:
+            # a call made during a backward pass (a segment recomputed by reentrant activation
+            # checkpointing, whose own backward is a nested graph task): the pass must end with
+            # the enclosing backward, not with the nested one, or one backward would be clipped
+            # as two passes (each sample up to √2·C, the noise for C)
+            self._queue_end_of_backward()
         self._check_forward_output(module, out)
         activations = list(args)
         kwargs = dict(kwargs or {})
@@ -943,10 +952,30 @@ class GradSampleModule(AbstractGradSampleModule):
     # ------------------------------------------------------------------ end of a backward pass
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
+            task = torch._C._current_graph_task_id()
+            if task != -1 and task <= self._last_pass_task:
+                # graph tasks are numbered as they start: this one started before the last
+                # pass's, which ended inside it (a nested reentrant checkpoint's own backward)
+                raise ValueError(
+                    "One backward pass would be clipped as two: a segment recomputed by nested "
+                    "reentrant activation checkpointing (torch.utils.checkpoint with "
+                    "use_reentrant=True inside another) ran its own backward, which ended a "
+                    "per-sample pass before the enclosing backward reached the other layers; "
+                    "each sample would contribute up to max_grad_norm per part while the noise "
+                    "covers it once. Use use_reentrant=False (Hugging Face: "
+                    "gradient_checkpointing_kwargs={'use_reentrant': False}), or do not nest "
+                    "reentrant checkpoints."
+                )
+            self._pass_task = task
             self._callback_queued = True
             self._on_pass_start()
             self._pass = PassRecord(public=self._public_depth > 0)
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        """The end-of-pass callback: the graph task the pass was opened in has finished."""
+        self._last_pass_task = self._pass_task
+        self._end_of_backward()
 
     def _on_pass_start(self) -> None:
         """At the first hook of a backward pass (no parameter gradient of it accumulated yet)."""

@@ -172,9 +172,11 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
             fn = input_grad_only_forward(module)
             if fn is not None:
                 n_inputs = len(inspect.signature(fn).parameters) - 1
-                module.forward = partial(
-                    self._bk_forward, module, fn, n_inputs, type(module).forward
-                )
+                forward = partial(self._bk_forward, module, fn, n_inputs, type(module).forward)
+                # the layer's own signature (inspect follows __wrapped__): a call with keyword
+                # inputs (``layer(input=x)``) is bound to its positions for the grad samplers
+                forward.__wrapped__ = type(module).forward.__get__(module)
+                module.forward = forward
                 self._bk_overridden.append(module)
                 self._no_autograd |= {id(p) for p in params}
             else:

@@ -39,6 +39,13 @@ class ExpandedWeightsUnsupportedError(NotImplementedError, UnsupportedModuleErro
     mode)."""
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor default hooks are set (``torch.utils.checkpoint``'s non-reentrant
+    recompute hooks, ``save_on_cpu``): ExpandedWeights' saved activations would then be replaced
+    by a recompute or a copy that its per-sample rules do not see."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def _hf_unsupported(module: nn.Module) -> str | None:
     """Why a Hugging Face layer with trainable parameters of its own cannot run under
     ExpandedWeights, or ``None``: GPT-2's ``Conv1D`` computes ``addmm(bias, x, weight)`` and the
@@ -229,6 +236,15 @@ class GradSampleModuleExpandedWeights(AbstractGradSampleModule):
         ExpandedWeights computes one exact per-sample gradient per row (as hooks mode expands
         the call's output). The structure check then verifies that the rows stay per sample."""
         b = self._batch_size
+        if b is not None and module.training and _saved_tensor_hooks_active():
+            name = next((n for n, m in self._module.named_modules() if m is module), "")
+            raise ExpandedWeightsUnsupportedError(
+                f"{name or '<root>'} ({type(module).__name__}) runs under saved-tensor hooks "
+                "(activation checkpointing with use_reentrant=False, or save_on_cpu): the "
+                "checkpoint recomputes the layer in the backward pass outside ExpandedWeights, "
+                "whose per-sample gradients would then be wrong. Use grad_sample_mode='hooks', "
+                "'functorch' or 'bk', which support activation checkpointing."
+            )
         if b is None or b <= 1 or not module.training:
             return None
         tensors = [t for t in tensors_in((args, kwargs), 2) if t.dim() > 0]
