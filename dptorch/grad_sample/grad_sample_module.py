@@ -651,6 +651,22 @@ class GradSampleModule(AbstractGradSampleModule):
         """Keeps this call's inputs and hooks the gradient of its first output; returns the new
         output where a batch dimension of size 1 was expanded to the batch (else ``None``)."""
         if (
+            self._forward is None
+            and self.hooks_enabled
+            and self.forward_hooks_enabled
+            and not self._in_functorch
+            and module.training
+            and torch._C._current_graph_task_id() != -1
+        ):
+            # a layer called outside a forward pass of the model while a backward pass runs:
+            # a segment recomputed by reentrant activation checkpointing (the checkpoints
+            # nested in it run their forward under no_grad), whose own backward is a nested
+            # graph task. The pass must end with the enclosing backward, not with the nested
+            # one, or one backward would be clipped as two passes (each sample up to √2·C, the
+            # noise for C). A forward pass of the model run inside a backward (user code in a
+            # hook) is a pass of its own, as before.
+            self._queue_end_of_backward()
+        if (
             not self.hooks_enabled
             or not self.forward_hooks_enabled
             or self._in_functorch
@@ -661,12 +677,6 @@ class GradSampleModule(AbstractGradSampleModule):
         out = _first_tensor(output)
         if out is None or not out.requires_grad:
             return None
-        if torch._C._current_graph_task_id() != -1:
-            # a call made during a backward pass (a segment recomputed by reentrant activation
-            # checkpointing, whose own backward is a nested graph task): the pass must end with
-            # the enclosing backward, not with the nested one, or one backward would be clipped
-            # as two passes (each sample up to √2·C, the noise for C)
-            self._queue_end_of_backward()
         self._check_forward_output(module, out)
         activations = list(args)
         kwargs = dict(kwargs or {})

@@ -321,13 +321,13 @@ class GradSampleModuleBookKeeping(GradSampleModuleFastGradientClipping):
         if shared:
             raise ValueError(
                 f"{', '.join(self._param_name(p) for p in shared[:4])}: used by several calls "
-                "in one pass, one of them recomputed during the backward pass by reentrant "
-                "activation checkpointing (torch.utils.checkpoint with use_reentrant=True). "
-                "grad_sample_mode='bk' chooses each parameter's clipping path when its first "
-                "call's gradient arrives, before the recomputed calls exist. Use non-reentrant "
-                "checkpointing (use_reentrant=False; Hugging Face: "
-                "gradient_checkpointing_kwargs={'use_reentrant': False}), or "
-                "grad_sample_mode='hooks'."
+                "in one pass, one of them recomputed during the backward pass by activation "
+                "checkpointing (torch.utils.checkpoint; with use_reentrant=False every "
+                "checkpointed layer is called again). grad_sample_mode='bk' chooses each "
+                "parameter's clipping path when its first call's gradient arrives, before the "
+                "recomputed calls exist. Use grad_sample_mode='hooks' (exact with either kind "
+                "of checkpointing) or 'ghost' with use_reentrant=False; in bk, checkpoint with "
+                "use_reentrant=True only blocks whose parameters no other call uses."
             )
 
     def _on_accumulated(self, p: nn.Parameter, param: nn.Parameter) -> None:

@@ -3,8 +3,11 @@
 * Reentrant activation checkpointing around the model's *last* hooked layers: the first
   per-sample hook of the backward pass ran inside the checkpoint's own (nested) backward, so the
   pass ended with it and the layers before the checkpoint were clipped as a second pass: one
-  sample released up to √2·C (hooks, functorch, bk). Now the pass is opened on the enclosing
-  backward; nested reentrant checkpoints, which would still split it, are refused.
+  sample released up to √2·C (hooks, functorch, bk). Now a layer call outside a forward pass of
+  the model during a backward pass (a recompute, or a nested checkpoint's forward under
+  no_grad inside one) opens the pass on the enclosing backward. A forward pass of the model run
+  inside another backward (user code in a hook) is a pass of its own, as before (the review of
+  the first fix found that it merged two such passes: 2·C).
 * ``grad_sample_mode="ew"`` under non-reentrant checkpointing released wrong per-sample
   gradients (the recompute runs outside ExpandedWeights): refused.
 * bk: a layer called with its input as a keyword (``layer(input=x)``) crashed with an
@@ -20,7 +23,37 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
-from tests.privacy.invariants import MODES, dp_update, reference_update
+from dptorch.grad_sample import wrap_model
+from dptorch.optimizers import get_optimizer_class
+from tests.privacy.invariants import MODES, dp_update, reference_update, sample_loss
+
+
+class Siblings(nn.Module):
+    """``ckpt(ckpt(a)) -> tanh -> ckpt(ckpt(o))``, every checkpoint reentrant: the outer
+    recomputes run the inner checkpoints under no_grad (nothing is captured in the outermost
+    backward unless the no_grad call opens the pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.o = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.checkpointed = True
+
+    def _twice(self, f, x):
+        if not self.checkpointed:
+            return f(x)
+        return cp.checkpoint(lambda z: cp.checkpoint(f, z, use_reentrant=True), x,
+                             use_reentrant=True)
+
+    def forward(self, x):
+        return self._twice(self.o, torch.tanh(self._twice(self.a, x)))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk"])
+def test_sibling_nested_reentrant_checkpoints_are_one_pass(mode):
+    x, y = _data()
+    x.requires_grad_(True)  # as with a frozen embedding: the first segment gets a backward
+    torch.manual_seed(1)
+    assert _outcome(Siblings().double(), mode, x, y, 0.3) == "exact"
 
 
 class Tail(nn.Module):
@@ -92,10 +125,64 @@ def test_checkpointed_tail_exact_or_refused(mode, nested, reentrant):
     outcome = _outcome(Tail(reentrant=reentrant, nested=nested).double(), mode, x, y, 0.3)
     if mode == "ew":
         assert outcome == "refused"  # ExpandedWeights cannot follow a recompute
-    elif nested and reentrant:
-        assert outcome == "refused"  # the nested backward would end the pass
     elif not (mode == "ghost" and reentrant):  # ghost refuses reentrant checkpointing
         assert outcome == "exact"
+
+
+def _in_another_backward(fn) -> None:
+    """Runs ``fn()`` in a tensor hook of an unrelated backward pass (user code)."""
+    t = torch.ones(3, requires_grad=True)
+    u = t * 2
+
+    def hook(g):
+        with torch.enable_grad():
+            fn()
+        return g
+
+    u.register_hook(hook)
+    u.sum().backward()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dp_step_inside_another_backward_exact(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = _data()
+    ref = reference_update(copy.deepcopy(model), x, y, 0.3)
+    box: dict = {}
+    _in_another_backward(lambda: box.setdefault("got", dp_update(model, mode, x, y, 0.3)))
+    for n, r in ref.items():
+        torch.testing.assert_close(box["got"][n], r, rtol=1e-7, atol=1e-9,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk"])
+def test_two_micro_batches_inside_another_backward_are_two_passes(mode):
+    """Two forward and backward passes of the model (5 samples each) made inside one hook of
+    another backward: the release is the 10 samples clipped one by one, not row b of each
+    micro-batch summed as one sample."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    g = torch.Generator().manual_seed(0)
+    x = 3 * torch.randn(10, 4, generator=g, dtype=torch.float64)
+    y = 30 * torch.randn(10, 2, generator=g, dtype=torch.float64)
+    ref = reference_update(copy.deepcopy(model), x, y, 0.3)
+    cls = get_optimizer_class("flat", False, mode)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+              max_grad_norm=0.3, expected_batch_size=10, loss_reduction="sum")
+    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
+                     **({"clipping": opt.clipping} if mode == "bk" else {}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+
+    def two_passes():
+        for part in (slice(0, 5), slice(5, 10)):
+            sample_loss(gsm(x[part]), y[part]).backward()
+
+    _in_another_backward(two_passes)
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-7, atol=1e-9)
 
 
 def test_ew_refuses_non_reentrant_checkpoint_by_name():
