@@ -651,20 +651,20 @@ class GradSampleModule(AbstractGradSampleModule):
         """Keeps this call's inputs and hooks the gradient of its first output; returns the new
         output where a batch dimension of size 1 was expanded to the batch (else ``None``)."""
         if (
-            self._forward is None
-            and self.hooks_enabled
+            self.hooks_enabled
             and self.forward_hooks_enabled
             and not self._in_functorch
             and module.training
             and torch._C._current_graph_task_id() != -1
+            and _in_function_backward()
         ):
-            # a layer called outside a forward pass of the model while a backward pass runs:
-            # a segment recomputed by reentrant activation checkpointing (the checkpoints
-            # nested in it run their forward under no_grad), whose own backward is a nested
-            # graph task. The pass must end with the enclosing backward, not with the nested
-            # one, or one backward would be clipped as two passes (each sample up to √2·C, the
-            # noise for C). A forward pass of the model run inside a backward (user code in a
-            # hook) is a pass of its own, as before.
+            # a layer called by an autograd Function's backward: a segment recomputed by
+            # reentrant activation checkpointing (the checkpoints nested in it run their
+            # forward under no_grad), whose own backward is a nested graph task. The pass must
+            # end with the enclosing backward, not with the nested one, or one backward would
+            # be clipped as two passes (each sample up to √2·C, the noise for C). A layer
+            # called by user code in a tensor hook of another backward is not (its forward and
+            # backward are a pass of their own, as without a backward around them).
             self._queue_end_of_backward()
         if (
             not self.hooks_enabled
@@ -967,14 +967,14 @@ class GradSampleModule(AbstractGradSampleModule):
                 # graph tasks are numbered as they start: this one started before the last
                 # pass's, which ended inside it (a nested reentrant checkpoint's own backward)
                 raise ValueError(
-                    "One backward pass would be clipped as two: a segment recomputed by nested "
-                    "reentrant activation checkpointing (torch.utils.checkpoint with "
-                    "use_reentrant=True inside another) ran its own backward, which ended a "
-                    "per-sample pass before the enclosing backward reached the other layers; "
-                    "each sample would contribute up to max_grad_norm per part while the noise "
-                    "covers it once. Use use_reentrant=False (Hugging Face: "
-                    "gradient_checkpointing_kwargs={'use_reentrant': False}), or do not nest "
-                    "reentrant checkpoints."
+                    "One backward pass would be clipped as two: a backward run inside this one "
+                    "(a reentrant activation checkpoint's, or one called by an autograd "
+                    "Function's backward) ended a per-sample pass before this backward reached "
+                    "the other layers; each sample would contribute up to max_grad_norm per "
+                    "part while the noise covers it once. Use non-reentrant checkpointing "
+                    "(use_reentrant=False; Hugging Face: "
+                    "gradient_checkpointing_kwargs={'use_reentrant': False}), or run the "
+                    "model's backward passes one after the other."
                 )
             self._pass_task = task
             self._callback_queued = True
@@ -1282,6 +1282,18 @@ def _hookable(out: torch.Tensor, inputs, floor: int | None) -> torch.Tensor:
     ):
         return out
     return base
+
+
+def _in_function_backward() -> bool:
+    """Whether an autograd ``Function``'s Python ``backward`` is on the call stack (where
+    reentrant activation checkpointing recomputes its segment)."""
+    code = torch.autograd.function.BackwardCFunction.apply.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _view_grad(on_grad, shape: tuple, stride: tuple, offset: int, grad: torch.Tensor):

@@ -25,6 +25,7 @@ from torch import nn
 
 from dptorch.grad_sample import wrap_model
 from dptorch.optimizers import get_optimizer_class
+from dptorch.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from tests.privacy.invariants import MODES, dp_update, reference_update, sample_loss
 
 
@@ -216,3 +217,88 @@ def test_layer_called_with_keyword_input_exact(name, mode):
     got = dp_update(model, mode, x, y, 0.05)
     for n, r in ref.items():
         torch.testing.assert_close(got[n], r, rtol=1e-7, atol=1e-9, msg=lambda m, n=n: f"{n}: {m}")
+
+
+class _Views(nn.Module):
+    """The reference for a model called on two views of each sample in one loss."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return torch.cat([self.model(x), self.model(0.5 * x)], 1)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bk"])
+def test_wrapped_model_checkpointed_twice_in_one_loss(mode):
+    """``checkpoint(gsm, x)`` twice in one loss (two views of each sample): each recompute
+    runs the wrapped model's forward inside the checkpoint's backward; both belong to the one
+    pass (review round 4: each opened and closed a pass of its own, 2·C per sample)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = _data()
+    y2 = torch.cat([y, y], 1)
+    ref = reference_update(_Views(copy.deepcopy(model)), x, y2, 0.3)
+    cls = get_optimizer_class("flat", False, mode)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+              max_grad_norm=0.3, expected_batch_size=5, loss_reduction="sum")
+    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
+                     **({"clipping": opt.clipping} if mode == "bk" else {}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    x.requires_grad_(True)  # a reentrant checkpoint's output needs an input that does
+    out = torch.cat([cp.checkpoint(gsm, x, use_reentrant=True),
+                     cp.checkpoint(gsm, 0.5 * x, use_reentrant=True)], 1)
+    try:
+        sample_loss(out, y2).backward()
+    except ValueError:
+        assert mode == "bk"  # bk refuses parameters shared with a recomputed call
+        return
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref["model." + n], rtol=1e-7,
+                                   atol=1e-9)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("where", ["before the step", "after a step in the same hook"])
+@pytest.mark.parametrize("mode", MODES)
+def test_layer_called_in_another_backward_opens_no_pass(mode, where, grad):
+    """A training-mode call of a submodule by user code in a hook of an unrelated backward (a
+    monitoring call) changes nothing: the DP step is exact (review round 4: it opened an empty
+    pass, which refused the next ghost step, or a pass in the enclosing backward of a step
+    made in the same hook)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = _data()
+    ref = reference_update(copy.deepcopy(model), x, y, 0.3)
+    cls = get_optimizer_class("flat", False, mode)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+              max_grad_norm=0.3, expected_batch_size=5, loss_reduction="sum")
+    fast = mode in ("ghost", "bk")
+    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
+                     **({"clipping": opt.clipping} if fast else {}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def step():
+        out = gsm(x)
+        if mode == "ghost":
+            crit = DPLossFastGradientClipping(gsm, opt, nn.MSELoss(reduction="sum"), "sum")
+            crit(out, y).backward()
+        else:
+            sample_loss(out, y).backward()
+
+    def peek():
+        with torch.set_grad_enabled(grad):
+            model[0](x)
+
+    opt.zero_grad()
+    if where == "before the step":
+        _in_another_backward(peek)
+        step()
+    else:
+        _in_another_backward(lambda: (step(), peek()))
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-7, atol=1e-9)
