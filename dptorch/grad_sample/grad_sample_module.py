@@ -199,6 +199,26 @@ class GradSampleModule(AbstractGradSampleModule):
             pending, self._pending = list(self._pending.values()), {}
             self._drop_pass(pending)
         training = self._module.training and torch.is_grad_enabled() and self.hooks_enabled
+        if (
+            training
+            and torch._C._current_graph_task_id() != -1
+            and _in_function_backward()
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        ):
+            # the model's forward run by an autograd Function's backward: a reentrant
+            # checkpoint of the whole wrapped model (its recompute's nested backward belongs to
+            # the enclosing pass), or user code training the model inside a custom Function's
+            # backward (a pass of its own): the two cannot be told apart, and taking one for
+            # the other clips one backward as two passes or two as one (2·C per sample)
+            raise ValueError(
+                "The wrapped model's forward pass ran inside an autograd Function's backward "
+                "(reentrant activation checkpointing of the whole wrapped model, "
+                "checkpoint(model, x, use_reentrant=True), or the model trained inside a "
+                "custom Function's backward): dptorch cannot tell which backward pass its "
+                "per-sample gradients belong to. Checkpoint the model's blocks instead (Hugging "
+                "Face: model.gradient_checkpointing_enable()), use use_reentrant=False, or "
+                "train the model outside the Function's backward."
+            )
         if training and self._trainable_signature != trainable_signature(self._module):
             self._refresh_units()
         if training:
@@ -651,20 +671,23 @@ class GradSampleModule(AbstractGradSampleModule):
         """Keeps this call's inputs and hooks the gradient of its first output; returns the new
         output where a batch dimension of size 1 was expanded to the batch (else ``None``)."""
         if (
-            self.hooks_enabled
+            self._forward is None
+            and self.hooks_enabled
             and self.forward_hooks_enabled
             and not self._in_functorch
             and module.training
             and torch._C._current_graph_task_id() != -1
             and _in_function_backward()
         ):
-            # a layer called by an autograd Function's backward: a segment recomputed by
-            # reentrant activation checkpointing (the checkpoints nested in it run their
-            # forward under no_grad), whose own backward is a nested graph task. The pass must
-            # end with the enclosing backward, not with the nested one, or one backward would
-            # be clipped as two passes (each sample up to √2·C, the noise for C). A layer
-            # called by user code in a tensor hook of another backward is not (its forward and
-            # backward are a pass of their own, as without a backward around them).
+            # a layer called by an autograd Function's backward outside a forward pass of the
+            # model: a segment recomputed by reentrant activation checkpointing (the
+            # checkpoints nested in it run their forward under no_grad), whose own backward is
+            # a nested graph task. The pass must end with the enclosing backward, not with the
+            # nested one, or one backward would be clipped as two passes (each sample up to
+            # √2·C, the noise for C). A layer called by user code in a tensor hook of another
+            # backward is not (its forward and backward are a pass of their own, as without a
+            # backward around them); the model's own forward there is refused
+            # (_begin_forward).
             self._queue_end_of_backward()
         if (
             not self.hooks_enabled

@@ -434,8 +434,23 @@ class GradSampleModuleFastGradientClipping(GradSampleModule):
         _last_of_their_tensors(hooks)
         if not targets or not loss.requires_grad:
             return
+        params = list(self.trainable_parameters())
+        before = [grad_state(p) for p in params]
         try:
             torch.autograd.grad(loss, targets, retain_graph=True, allow_unused=True)
+            # identities and versions only (no host sync): a backward run inside the norm pass
+            # (a reentrant checkpoint other than torch's, which calls torch.autograd.backward
+            # in its own backward) writes raw gradients to p.grad, released with the clipped sum
+            written = [p for p, s in zip(params, before) if grad_state(p) != s]
+            if written:
+                raise ValueError(
+                    f"{', '.join(self._param_name(p) for p in written[:4])}: p.grad was written "
+                    "during ghost clipping's norm pass, which computes no weight gradient: a "
+                    "backward run inside it (a reentrant activation checkpoint that calls "
+                    "torch.autograd.backward in its backward, a hook) wrote unclipped "
+                    "gradients. Use non-reentrant checkpointing (torch.utils.checkpoint with "
+                    "use_reentrant=False), or grad_sample_mode='hooks' or 'bk'."
+                )
         except RuntimeError as e:
             if "use_reentrant" not in str(e):
                 raise

@@ -231,34 +231,111 @@ class _Views(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "bk"])
-def test_wrapped_model_checkpointed_twice_in_one_loss(mode):
+def test_wrapped_model_checkpointed_whole_is_refused(mode):
     """``checkpoint(gsm, x)`` twice in one loss (two views of each sample): each recompute
-    runs the wrapped model's forward inside the checkpoint's backward; both belong to the one
-    pass (review round 4: each opened and closed a pass of its own, 2·C per sample)."""
+    opened and closed a pass of its own, 2·C per sample (review round 4). Such a recompute runs
+    the wrapped model's forward inside an autograd Function's backward, as user code training
+    the model inside a custom Function's backward does (a pass of its own, review round 5):
+    the two cannot be told apart, and the forward is refused."""
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     x, y = _data()
-    y2 = torch.cat([y, y], 1)
-    ref = reference_update(_Views(copy.deepcopy(model)), x, y2, 0.3)
     cls = get_optimizer_class("flat", False, mode)
     opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
               max_grad_norm=0.3, expected_batch_size=5, loss_reduction="sum")
     gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
                      **({"clipping": opt.clipping} if mode == "bk" else {}))
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.zero_grad()
     x.requires_grad_(True)  # a reentrant checkpoint's output needs an input that does
     out = torch.cat([cp.checkpoint(gsm, x, use_reentrant=True),
                      cp.checkpoint(gsm, 0.5 * x, use_reentrant=True)], 1)
-    try:
-        sample_loss(out, y2).backward()
-    except ValueError:
-        assert mode == "bk"  # bk refuses parameters shared with a recomputed call
-        return
-    opt.step()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(before[n] - p.detach(), ref["model." + n], rtol=1e-7,
-                                   atol=1e-9)
+    with pytest.raises(ValueError, match="inside an autograd Function's backward"):
+        sample_loss(out, torch.cat([y, y], 1)).backward()
+
+
+class _RunInBackward(torch.autograd.Function):
+    """Identity whose backward runs ``fn()`` (user code training a model there)."""
+
+    @staticmethod
+    def forward(ctx, t, fn):
+        ctx.fn = fn
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch.enable_grad():
+            ctx.fn()
+        return g, None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_model_trained_inside_a_function_backward_is_refused(mode):
+    """Two micro-batches trained inside a custom Function's backward were merged into one
+    pass by review round 4's rule (row b of each clipped as one sample, 2·C)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = _data()
+    cls = get_optimizer_class("flat", False, mode)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+              max_grad_norm=0.3, expected_batch_size=5, loss_reduction="sum")
+    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
+                     **({"clipping": opt.clipping} if mode in ("ghost", "bk") else {}))
+    opt.zero_grad()
+
+    def two_passes():
+        for part in (slice(0, 3), slice(3, 5)):
+            sample_loss(gsm(x[part]), y[part]).backward()
+
+    t = torch.ones(3, requires_grad=True)
+    with pytest.raises(ValueError, match="inside an autograd Function's backward"):
+        _RunInBackward.apply(t, two_passes).sum().backward()
+
+
+class _Recompute(torch.autograd.Function):
+    """A third-party-style reentrant checkpoint: forward under no_grad, backward recomputes
+    under enable_grad and calls ``torch.autograd.backward``."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.fn(x)
+        torch.autograd.backward(out, g)
+        return None, x.grad
+
+
+class _CustomCheckpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.checkpointed = True
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = _Recompute.apply(self._mid, h) if self.checkpointed else self._mid(h)
+        return _Recompute.apply(self.o, h) if self.checkpointed else self.o(h)
+
+    def _mid(self, z):
+        return torch.tanh(self.b(z))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_third_party_reentrant_checkpoint_exact_or_refused(mode):
+    """hooks, functorch, bk: exact. ghost: its norm pass ran the checkpoint's nested backward,
+    which wrote raw gradients to p.grad, released with the clipped sum (review round 5: 112
+    against C = 0.3 for one sample); now refused."""
+    x, y = _data()
+    torch.manual_seed(1)
+    outcome = _outcome(_CustomCheckpointed().double(), mode, x, y, 0.3)
+    assert outcome == ("refused" if mode == "ghost" else "exact")
 
 
 @pytest.mark.parametrize("grad", [False, True])
