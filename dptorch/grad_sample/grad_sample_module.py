@@ -203,7 +203,7 @@ class GradSampleModule(AbstractGradSampleModule):
             training
             and torch._C._current_graph_task_id() != -1
             and _in_function_backward()
-            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+            and not _in_non_reentrant_recompute()
         ):
             # the model's forward run by an autograd Function's backward: a reentrant
             # checkpoint of the whole wrapped model (its recompute's nested backward belongs to
@@ -1317,6 +1317,19 @@ def _in_function_backward() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _in_non_reentrant_recompute() -> bool:
+    """Whether torch's non-reentrant activation checkpointing is recomputing a segment (its
+    recomputation's saved-tensor hooks are the innermost): the recompute only refills saved
+    tensors of the original graph; no backward of its own follows. Any other saved-tensor hooks
+    (``save_on_cpu``, a user's) do not count."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return False
+    pack = hooks[0]
+    return (getattr(pack, "__module__", None) == "torch.utils.checkpoint"
+            and getattr(pack, "__qualname__", "").startswith("_recomputation_hook."))
 
 
 def _view_grad(on_grad, shape: tuple, stride: tuple, offset: int, grad: torch.Tensor):

@@ -253,6 +253,55 @@ def test_wrapped_model_checkpointed_whole_is_refused(mode):
         sample_loss(out, torch.cat([y, y], 1)).backward()
 
 
+@pytest.mark.parametrize("context", ["save_on_cpu", "saved_tensors_hooks"])
+def test_whole_model_checkpoint_refused_under_saved_tensor_hooks(context):
+    """The refusal above held only without saved-tensor hooks: under ``save_on_cpu`` (or any
+    user's hooks) around forward and backward, each recompute opened a pass of its own again
+    (review round 6: one sample 0.59 against C = 0.3). Only torch's non-reentrant recompute is
+    exempt."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = _data()
+    opt = get_optimizer_class("flat", False, "hooks")(
+        torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.3,
+        expected_batch_size=5, loss_reduction="sum")
+    gsm = wrap_model(model, "hooks", batch_first=True, loss_reduction="sum")
+    opt.zero_grad()
+    x.requires_grad_(True)
+    hooks = (torch.autograd.graph.save_on_cpu() if context == "save_on_cpu"
+             else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    with hooks:
+        out = torch.cat([cp.checkpoint(gsm, x, use_reentrant=True),
+                         cp.checkpoint(gsm, 0.5 * x, use_reentrant=True)], 1)
+        with pytest.raises(ValueError, match="inside an autograd Function's backward"):
+            sample_loss(out, torch.cat([y, y], 1)).backward()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost"])
+def test_whole_model_non_reentrant_checkpoint_exact(mode):
+    """torch's non-reentrant recompute is not refused: it only refills the original graph's
+    saved tensors (here inside a Python Function's backward: bk's and the tanh below)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = _data()
+    ref = reference_update(copy.deepcopy(model), x, y, 0.3)
+    cls = get_optimizer_class("flat", False, mode)
+    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
+              max_grad_norm=0.3, expected_batch_size=5, loss_reduction="sum")
+    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
+                     **({"clipping": opt.clipping} if mode == "ghost" else {}))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    out = cp.checkpoint(gsm, x, use_reentrant=False)
+    if mode == "ghost":
+        DPLossFastGradientClipping(gsm, opt, nn.MSELoss(reduction="sum"), "sum")(out, y).backward()
+    else:
+        sample_loss(out, y).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-7, atol=1e-9)
+
+
 class _RunInBackward(torch.autograd.Function):
     """Identity whose backward runs ``fn()`` (user code training a model there)."""
 
