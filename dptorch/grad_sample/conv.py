@@ -114,18 +114,17 @@ def compute_conv_grad_sample(
     batch_size = backprops.shape[0]
     ret: dict[nn.Parameter, torch.Tensor] = {}
     if layer.weight.requires_grad:
-        step = samples_per_chunk(layer, x, backprops, _weight_path(layer, backprops, False))
+        path = _weight_path(layer, backprops, False)
+        step = samples_per_chunk(layer, x, backprops, path)
         if step >= batch_size:
-            ret[layer.weight] = _weight_grad_sample(layer, x, backprops)
+            ret[layer.weight] = _weight_grad_sample(layer, x, backprops, path)
         else:  # written chunk by chunk into the result: no second (B, *weight.shape) copy
-            first = _weight_grad_sample(layer, x[:step], backprops[:step])
-            gs = first.new_empty((batch_size, *first.shape[1:]))
-            gs[:step] = first
-            del first
-            for i in range(step, batch_size, step):
-                gs[i : i + step] = _weight_grad_sample(
-                    layer, x[i : i + step], backprops[i : i + step]
-                )
+            gs = None
+            for i in range(0, batch_size, step):
+                part = _weight_grad_sample(layer, x[i : i + step], backprops[i : i + step], path)
+                if gs is None:
+                    gs = part.new_empty((batch_size, *part.shape[1:]))
+                gs[i : i + step] = part
             ret[layer.weight] = gs
     if layer.bias is not None and layer.bias.requires_grad:
         ret[layer.bias] = backprops.flatten(2).sum(dim=2)
@@ -133,11 +132,12 @@ def compute_conv_grad_sample(
 
 
 def _weight_grad_sample(
-    layer: nn.modules.conv._ConvNd, x: torch.Tensor, backprops: torch.Tensor
+    layer: nn.modules.conv._ConvNd, x: torch.Tensor, backprops: torch.Tensor, path: str
 ) -> torch.Tensor:
     """``(B, *weight.shape)`` per-sample weight gradients of ``x`` ``(B, C_in, *spatial_in)``
-    and ``backprops`` ``(B, C_out, *spatial_out)``: batch-folded, or unfolded and multiplied."""
-    if _weight_path(layer, backprops, False) == "folded":
+    and ``backprops`` ``(B, C_out, *spatial_out)``: batch-folded (``path="folded"``), or
+    unfolded and multiplied."""
+    if path == "folded":
         return _folded_weight_grad_sample(layer, x, backprops)
     batch_size, c_out = backprops.shape[0], layer.out_channels
     n_out = positions(backprops, 2, 0)

@@ -149,9 +149,8 @@ class GradSampleModule(AbstractGradSampleModule):
         self._pending: dict[int, nn.Parameter] = {}
         self._pass: PassRecord | None = None
         self._callback_queued = False
-        # graph-task numbers of the open pass and of the last ended one (see
-        # _queue_end_of_backward)
-        self._pass_task = self._last_pass_task = -1
+        # graph-task number of the last pass opened (see _queue_end_of_backward)
+        self._last_pass_task = -1
         self._expected_rows: int | None = None
         self._forward: _ForwardBatch | None = None
         self._trace: UseTrace | None = None
@@ -201,7 +200,6 @@ class GradSampleModule(AbstractGradSampleModule):
         training = self._module.training and torch.is_grad_enabled() and self.hooks_enabled
         if (
             training
-            and torch._C._current_graph_task_id() != -1
             and _in_function_backward()
             and not _in_non_reentrant_recompute()
         ):
@@ -676,7 +674,6 @@ class GradSampleModule(AbstractGradSampleModule):
             and self.forward_hooks_enabled
             and not self._in_functorch
             and module.training
-            and torch._C._current_graph_task_id() != -1
             and _in_function_backward()
         ):
             # a layer called by an autograd Function's backward outside a forward pass of the
@@ -988,7 +985,7 @@ class GradSampleModule(AbstractGradSampleModule):
             task = torch._C._current_graph_task_id()
             if task != -1 and task <= self._last_pass_task:
                 # graph tasks are numbered as they start: this one started before the last
-                # pass's, which ended inside it (a nested reentrant checkpoint's own backward)
+                # pass's, which (no pass being open) ended inside it (a nested backward)
                 raise ValueError(
                     "One backward pass would be clipped as two: a backward run inside this one "
                     "(a reentrant activation checkpoint's, or one called by an autograd "
@@ -999,16 +996,11 @@ class GradSampleModule(AbstractGradSampleModule):
                     "gradient_checkpointing_kwargs={'use_reentrant': False}), or run the "
                     "model's backward passes one after the other."
                 )
-            self._pass_task = task
+            self._last_pass_task = task
             self._callback_queued = True
             self._on_pass_start()
             self._pass = PassRecord(public=self._public_depth > 0)
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-
-    def _backward_ended(self) -> None:
-        """The end-of-pass callback: the graph task the pass was opened in has finished."""
-        self._last_pass_task = self._pass_task
-        self._end_of_backward()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _on_pass_start(self) -> None:
         """At the first hook of a backward pass (no parameter gradient of it accumulated yet)."""
@@ -1308,8 +1300,11 @@ def _hookable(out: torch.Tensor, inputs, floor: int | None) -> torch.Tensor:
 
 
 def _in_function_backward() -> bool:
-    """Whether an autograd ``Function``'s Python ``backward`` is on the call stack (where
-    reentrant activation checkpointing recomputes its segment)."""
+    """Whether a backward pass runs an autograd ``Function``'s Python ``backward`` that is on
+    the call stack (where reentrant activation checkpointing recomputes its segment). Outside a
+    backward pass (the usual forward) no frame is read."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
     code = torch.autograd.function.BackwardCFunction.apply.__code__
     frame = sys._getframe(1)
     while frame is not None:

@@ -57,6 +57,33 @@ def reference_update(
     return total
 
 
+def private_pair(
+    model: nn.Module, mode: str, bounds: float | list[float], batch_size: int,
+    *, batch_first: bool = True, multi: bool = False,
+):
+    """``(optimizer, wrapped module)`` of ``model`` in ``mode`` (SGD lr=1, noise 0, loss sum),
+    paired as ``make_private`` pairs them: the fast modes clip with the optimizer's contract."""
+    per_layer = isinstance(bounds, list)
+    cls = get_optimizer_class("per_layer" if per_layer else "flat", False, mode)
+    opt = cls(torch.optim.SGD([p for p in model.parameters()], lr=1.0), noise_multiplier=0.0,
+              max_grad_norm=bounds, expected_batch_size=batch_size,
+              loss_reduction="sum", **({"accum_passes": True} if multi else {}))
+    gsm = wrap_model(model, mode, batch_first=batch_first, loss_reduction="sum",
+                     **({"clipping": opt.clipping} if mode in ("ghost", "bk") else {}),
+                     **({"multi_pass": True} if multi else {}))
+    return opt, gsm
+
+
+def dp_backward(gsm: nn.Module, opt, mode: str, out: torch.Tensor, y: torch.Tensor) -> None:
+    """Back-propagates :func:`sample_loss` of ``out`` against ``y`` as ``mode`` requires
+    (ghost: through its DP loss wrapper)."""
+    if mode == "ghost":
+        crit = DPLossFastGradientClipping(gsm, opt, nn.MSELoss(reduction="sum"), "sum")
+        crit(out, y).backward()
+    else:
+        sample_loss(out, y).backward()
+
+
 def dp_update(
     model: nn.Module, mode: str, x: torch.Tensor, y: torch.Tensor, bounds: float | list[float],
     *, batch_first: bool = True, between: Callable | None = None,
@@ -69,26 +96,13 @@ def dp_update(
     mode = mode.split("-")[0]
     multi = mode == "multi_pass"
     mode = "hooks" if multi else mode
-    per_layer = isinstance(bounds, list)
-    fast = mode in ("ghost", "bk")
-    cls = get_optimizer_class("per_layer" if per_layer else "flat", False, mode)
-    opt = cls(torch.optim.SGD([p for p in model.parameters()], lr=1.0), noise_multiplier=0.0,
-              max_grad_norm=bounds, expected_batch_size=x.shape[0 if batch_first else 1],
-              loss_reduction="sum", **({"accum_passes": True} if multi else {}))
-    # as make_private: the fast modes clip with the optimizer's contract
-    gsm = wrap_model(model, mode, batch_first=batch_first, loss_reduction="sum",
-                     **({"clipping": opt.clipping} if fast else {}),
-                     **({"multi_pass": True} if multi else {}))
+    opt, gsm = private_pair(model, mode, bounds, x.shape[0 if batch_first else 1],
+                            batch_first=batch_first, multi=multi)
     if before_backward is not None:
         before_backward(model, opt, gsm)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.zero_grad()
-    out = gsm(x)
-    if mode == "ghost":
-        crit = DPLossFastGradientClipping(gsm, opt, nn.MSELoss(reduction="sum"), "sum")
-        crit(out, y).backward()
-    else:
-        sample_loss(out, y).backward()
+    dp_backward(gsm, opt, mode, gsm(x), y)
     if between is not None:
         between(model, opt, gsm)
     opt.step()

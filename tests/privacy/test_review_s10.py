@@ -23,10 +23,14 @@ import torch
 import torch.utils.checkpoint as cp
 from torch import nn
 
-from dptorch.grad_sample import wrap_model
-from dptorch.optimizers import get_optimizer_class
-from dptorch.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-from tests.privacy.invariants import MODES, dp_update, reference_update, sample_loss
+from tests.privacy.invariants import (
+    MODES,
+    dp_backward,
+    dp_update,
+    private_pair,
+    reference_update,
+    sample_loss,
+)
 
 
 class Siblings(nn.Module):
@@ -130,6 +134,18 @@ def test_checkpointed_tail_exact_or_refused(mode, nested, reentrant):
         assert outcome == "exact"
 
 
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def _assert_released(model: nn.Module, before: dict, ref: dict) -> None:
+    """The step's update of ``model`` from ``before`` is the brute-force ``ref``."""
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-7, atol=1e-9,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
 def _in_another_backward(fn) -> None:
     """Runs ``fn()`` in a tensor hook of an unrelated backward pass (user code)."""
     t = torch.ones(3, requires_grad=True)
@@ -146,8 +162,7 @@ def _in_another_backward(fn) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_dp_step_inside_another_backward_exact(mode):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model = _mlp(0)
     x, y = _data()
     ref = reference_update(copy.deepcopy(model), x, y, 0.3)
     box: dict = {}
@@ -162,17 +177,12 @@ def test_two_micro_batches_inside_another_backward_are_two_passes(mode):
     """Two forward and backward passes of the model (5 samples each) made inside one hook of
     another backward: the release is the 10 samples clipped one by one, not row b of each
     micro-batch summed as one sample."""
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model = _mlp(1)
     g = torch.Generator().manual_seed(0)
     x = 3 * torch.randn(10, 4, generator=g, dtype=torch.float64)
     y = 30 * torch.randn(10, 2, generator=g, dtype=torch.float64)
     ref = reference_update(copy.deepcopy(model), x, y, 0.3)
-    cls = get_optimizer_class("flat", False, mode)
-    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-              max_grad_norm=0.3, expected_batch_size=10, loss_reduction="sum")
-    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
-                     **({"clipping": opt.clipping} if mode == "bk" else {}))
+    opt, gsm = private_pair(model, mode, 0.3, 10)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.zero_grad()
 
@@ -182,8 +192,7 @@ def test_two_micro_batches_inside_another_backward_are_two_passes(mode):
 
     _in_another_backward(two_passes)
     opt.step()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-7, atol=1e-9)
+    _assert_released(model, before, ref)
 
 
 def test_ew_refuses_non_reentrant_checkpoint_by_name():
@@ -237,14 +246,9 @@ def test_wrapped_model_checkpointed_whole_is_refused(mode):
     the wrapped model's forward inside an autograd Function's backward, as user code training
     the model inside a custom Function's backward does (a pass of its own, review round 5):
     the two cannot be told apart, and the forward is refused."""
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model = _mlp(1)
     x, y = _data()
-    cls = get_optimizer_class("flat", False, mode)
-    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-              max_grad_norm=0.3, expected_batch_size=5, loss_reduction="sum")
-    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
-                     **({"clipping": opt.clipping} if mode == "bk" else {}))
+    opt, gsm = private_pair(model, mode, 0.3, 5)
     opt.zero_grad()
     x.requires_grad_(True)  # a reentrant checkpoint's output needs an input that does
     out = torch.cat([cp.checkpoint(gsm, x, use_reentrant=True),
@@ -259,13 +263,9 @@ def test_whole_model_checkpoint_refused_under_saved_tensor_hooks(context):
     user's hooks) around forward and backward, each recompute opened a pass of its own again
     (review round 6: one sample 0.59 against C = 0.3). Only torch's non-reentrant recompute is
     exempt."""
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model = _mlp(1)
     x, y = _data()
-    opt = get_optimizer_class("flat", False, "hooks")(
-        torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=0.3,
-        expected_batch_size=5, loss_reduction="sum")
-    gsm = wrap_model(model, "hooks", batch_first=True, loss_reduction="sum")
+    opt, gsm = private_pair(model, "hooks", 0.3, 5)
     opt.zero_grad()
     x.requires_grad_(True)
     hooks = (torch.autograd.graph.save_on_cpu() if context == "save_on_cpu"
@@ -281,25 +281,15 @@ def test_whole_model_checkpoint_refused_under_saved_tensor_hooks(context):
 def test_whole_model_non_reentrant_checkpoint_exact(mode):
     """torch's non-reentrant recompute is not refused: it only refills the original graph's
     saved tensors (here inside a Python Function's backward: bk's and the tanh below)."""
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model = _mlp(1)
     x, y = _data()
     ref = reference_update(copy.deepcopy(model), x, y, 0.3)
-    cls = get_optimizer_class("flat", False, mode)
-    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-              max_grad_norm=0.3, expected_batch_size=5, loss_reduction="sum")
-    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
-                     **({"clipping": opt.clipping} if mode == "ghost" else {}))
+    opt, gsm = private_pair(model, mode, 0.3, 5)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.zero_grad()
-    out = cp.checkpoint(gsm, x, use_reentrant=False)
-    if mode == "ghost":
-        DPLossFastGradientClipping(gsm, opt, nn.MSELoss(reduction="sum"), "sum")(out, y).backward()
-    else:
-        sample_loss(out, y).backward()
+    dp_backward(gsm, opt, mode, cp.checkpoint(gsm, x, use_reentrant=False), y)
     opt.step()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-7, atol=1e-9)
+    _assert_released(model, before, ref)
 
 
 class _RunInBackward(torch.autograd.Function):
@@ -321,14 +311,9 @@ class _RunInBackward(torch.autograd.Function):
 def test_model_trained_inside_a_function_backward_is_refused(mode):
     """Two micro-batches trained inside a custom Function's backward were merged into one
     pass by review round 4's rule (row b of each clipped as one sample, 2·C)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model = _mlp(0)
     x, y = _data()
-    cls = get_optimizer_class("flat", False, mode)
-    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-              max_grad_norm=0.3, expected_batch_size=5, loss_reduction="sum")
-    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
-                     **({"clipping": opt.clipping} if mode in ("ghost", "bk") else {}))
+    opt, gsm = private_pair(model, mode, 0.3, 5)
     opt.zero_grad()
 
     def two_passes():
@@ -395,25 +380,14 @@ def test_layer_called_in_another_backward_opens_no_pass(mode, where, grad):
     monitoring call) changes nothing: the DP step is exact (review round 4: it opened an empty
     pass, which refused the next ghost step, or a pass in the enclosing backward of a step
     made in the same hook)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model = _mlp(0)
     x, y = _data()
     ref = reference_update(copy.deepcopy(model), x, y, 0.3)
-    cls = get_optimizer_class("flat", False, mode)
-    opt = cls(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0,
-              max_grad_norm=0.3, expected_batch_size=5, loss_reduction="sum")
-    fast = mode in ("ghost", "bk")
-    gsm = wrap_model(model, mode, batch_first=True, loss_reduction="sum",
-                     **({"clipping": opt.clipping} if fast else {}))
+    opt, gsm = private_pair(model, mode, 0.3, 5)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def step():
-        out = gsm(x)
-        if mode == "ghost":
-            crit = DPLossFastGradientClipping(gsm, opt, nn.MSELoss(reduction="sum"), "sum")
-            crit(out, y).backward()
-        else:
-            sample_loss(out, y).backward()
+        dp_backward(gsm, opt, mode, gsm(x), y)
 
     def peek():
         with torch.set_grad_enabled(grad):
@@ -426,5 +400,4 @@ def test_layer_called_in_another_backward_opens_no_pass(mode, where, grad):
     else:
         _in_another_backward(lambda: (step(), peek()))
     opt.step()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(before[n] - p.detach(), ref[n], rtol=1e-7, atol=1e-9)
+    _assert_released(model, before, ref)
